@@ -1,0 +1,236 @@
+"""Contract types: what a request and a response *mean*, shared by server and client.
+
+Arrays are numpy (token ids int64, logprobs float32). A ``SequenceResult`` holds the full-length
+array (NaN where not scored, always at position 0); on the wire only the scored values travel
+(see ``scored_mask``), and ``oldlogit.wire`` / the proto converters put them back in place.
+These types check only shapes and types; the service's ``validate`` stage checks meaning and
+raises errors from ``oldlogit.errors`` that name the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+__all__ = [
+    "FloatArray",
+    "Info",
+    "IntArray",
+    "LeaseInfo",
+    "LogprobsRequest",
+    "LogprobsResponse",
+    "PublishResult",
+    "Sampling",
+    "Sequence",
+    "SequenceResult",
+    "VersionInfo",
+    "scored_mask",
+]
+
+NOT_SCORED = -1  # the per-token version that means "not scored" (typically the prompt)
+
+
+def _as_int_array(value: Any) -> npt.NDArray[np.int64]:
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        arr = value.detach().cpu().numpy()
+    else:
+        if isinstance(value, (str, bytes, dict)):
+            raise ValueError("expected a list of integers")
+        arr = np.asarray(list(value))
+    if arr.ndim != 1:
+        raise ValueError(f"expected a 1-D array of integers, got shape {tuple(arr.shape)}")
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "b" or arr.dtype == object:
+            raise ValueError("expected integers")
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
+            raise ValueError("expected integers")
+        if arr.dtype.kind not in "f":
+            raise ValueError("expected integers")
+    if arr.size and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError("integer out of range")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _as_float_array(value: Any) -> npt.NDArray[np.float32]:
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif hasattr(value, "detach") and hasattr(value, "cpu"):
+        arr = value.detach().cpu().float().numpy()
+    else:
+        arr = np.asarray([_float_from_wire(v) for v in value], dtype=np.float32)
+    if arr.ndim != 1:
+        raise ValueError(f"expected a 1-D array of floats, got shape {tuple(arr.shape)}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _float_from_wire(v: Any) -> float:
+    # JSON has no infinity: the documented encoding of −inf is the string "-inf" (also "inf",
+    # "nan" for completeness).
+    if isinstance(v, str):
+        return float(v)
+    if v is None:
+        return float("nan")
+    return float(v)
+
+
+def _float_to_json(v: float) -> float | str:
+    if np.isfinite(v):
+        return float(v)
+    if np.isnan(v):
+        return "nan"
+    return "-inf" if v < 0 else "inf"
+
+
+IntArray = Annotated[
+    npt.NDArray[np.int64],
+    BeforeValidator(_as_int_array),
+    PlainSerializer(lambda a: [int(x) for x in a.tolist()], return_type=list[int]),
+]
+FloatArray = Annotated[
+    npt.NDArray[np.float32],
+    BeforeValidator(_as_float_array),
+    PlainSerializer(lambda a: [_float_to_json(x) for x in a.tolist()], return_type=list[Any]),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+
+class Sampling(_Model):
+    """The sampler's settings: logprobs are of the distribution the sampler drew from.
+
+    ``temperature=1, top_k=0, top_p=1`` is the raw distribution.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+class Sequence(_Model):
+    """One sequence to score.
+
+    Either ``policy_version`` (+ ``score_from``, default 1: positions ≥ score_from are scored
+    with that version) or ``versions`` (one per token, −1 = not scored). Position 0 is never
+    scored. ``sampling`` overrides the request's sampling for this sequence.
+    """
+
+    token_ids: IntArray
+    policy_version: int | None = None
+    score_from: int | None = None
+    versions: IntArray | None = None
+    sampling: Sampling | None = None
+
+    def scored_mask(self) -> npt.NDArray[np.bool_]:
+        return scored_mask(len(self.token_ids), self.policy_version, self.score_from, self.versions)
+
+    def per_token_versions(self) -> npt.NDArray[np.int64]:
+        """The versions array this sequence stands for (−1 where not scored)."""
+        n = len(self.token_ids)
+        if self.versions is not None:
+            out = self.versions.copy()
+            if n:
+                out[0] = NOT_SCORED
+            return out
+        out = np.full(n, NOT_SCORED, dtype=np.int64)
+        if self.policy_version is not None:
+            out[max(1, self.score_from if self.score_from is not None else 1) :] = (
+                self.policy_version
+            )
+        return out
+
+
+def scored_mask(
+    n: int,
+    policy_version: int | None,
+    score_from: int | None,
+    versions: npt.NDArray[np.int64] | None,
+) -> npt.NDArray[np.bool_]:
+    """Which positions of an n-token sequence are scored (and travel on the wire).
+
+    Shared by server and client so both agree which values the compact wire array holds.
+    """
+    if versions is not None:
+        mask = np.asarray(versions[:n]) >= 0
+        mask = np.pad(mask, (0, max(0, n - len(mask))))
+    else:
+        mask = np.zeros(n, dtype=bool)
+        if policy_version is not None:
+            start = max(1, score_from if score_from is not None else 1)
+            mask[start:] = True
+    if n:
+        mask[0] = False
+    return mask
+
+
+class LogprobsRequest(_Model):
+    sequences: list[Sequence]
+    sampling: Sampling = Field(default_factory=Sampling)
+    proxy: Literal["ewma"] | None = None  # serve the approximate EWMA proxy (never exact)
+    allow_inexact: bool = False  # fall back to an approximation when the version is gone
+    use_cache: bool = True
+    timeout_s: float | None = None  # server-side deadline; clients set it from their timeout
+
+
+class SequenceResult(_Model):
+    logprobs: FloatArray  # [n] float32; NaN where not scored (always at 0), −inf outside support
+    versions: list[int]  # distinct versions used, ascending
+    weight_sha256: dict[int, str]  # version → weight sha256 it was computed with
+    exact: bool = True
+    cached: bool = False
+
+
+class LogprobsResponse(_Model):
+    results: list[SequenceResult]
+
+
+class VersionInfo(_Model):
+    policy_version: int
+    weight_sha256: str
+    nbytes: int  # bytes of the full weights in the serving dtype
+    tiers: list[str]  # where it is resident now: "device", "host", "disk"
+    kind: str = "keyframe"  # "keyframe" or "patch" (issue C)
+    parent: int | None = None
+    leases: int = 0
+    created_at: float = 0.0  # unix seconds of the publish
+
+
+class PublishResult(_Model):
+    policy_version: int
+    weight_sha256: str
+    created: bool  # False when it was an idempotent re-publish of the same weights
+    nbytes: int = 0
+    kind: str = "keyframe"
+
+
+class LeaseInfo(_Model):
+    lease_id: str
+    policy_version: int
+    holder: str
+    ttl_s: float
+    expires_at: float  # unix seconds
+
+
+class Info(_Model):
+    model_type: str  # e.g. "qwen2"
+    architecture: str  # e.g. "Qwen2ForCausalLM"
+    vocab_size: int
+    max_positions: int
+    num_parameters: int
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    head_dtype: str  # "float32" with --lm-head-fp32, else the model dtype
+    device: str
+    mode: str  # "deterministic" | "fast"
+    fast_mode_max_abs_deviation: float | None = None
+    limits: dict[str, float] = Field(default_factory=dict)
+    versions: list[int] = Field(default_factory=list)
+    watermark: int | None = None
+    server_version: str = ""

@@ -1,0 +1,88 @@
+"""The service's one configuration object.
+
+Built once in the CLI (flags override ``OLDLOGIT_*`` environment variables) and passed down;
+nothing else reads the environment. Validators refuse bad combinations at start-up with a
+sentence that says what to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="OLDLOGIT_", frozen=True, extra="forbid")
+
+    # What to serve.
+    model: Path | None = None  # HF-format model directory (config.json + safetensors)
+    demo: bool = False  # build a tiny random causal LM and publish a few versions
+    snapshot_dir: Path = Path("./snapshots")
+    # Where.
+    host: str = "127.0.0.1"
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    # Numerics.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    lm_head_fp32: bool = False
+    mode: Literal["deterministic", "fast"] = "deterministic"
+    # Retention.
+    device_budget_gib: float = Field(4.0, gt=0)
+    host_budget_gib: float = Field(8.0, ge=0)
+    disk_budget_gib: float = Field(100.0, gt=0)
+    max_versions: int = Field(64, ge=1)
+    # Scale-out (issue D).
+    redis_url: str | None = None
+    cache_redis_url: str | None = None
+    # Auth.
+    write_token: str | None = None
+    read_token: str | None = None
+    # Batching and limits.
+    max_wait_ms: float = Field(2.0, ge=0)
+    max_batch_tokens: int = Field(65536, ge=1)
+    max_queue: int = Field(4096, ge=1)
+    max_seq_len: int | None = Field(None, ge=2)  # default: the model's max positions
+    max_tokens_per_request: int = Field(1 << 20, ge=1)
+    max_sequences_per_request: int = Field(4096, ge=1)
+    max_request_mib: float = Field(256.0, gt=0)
+    max_upload_gib: float = Field(64.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+    cache_budget_mib: float = Field(256.0, ge=0)
+    publish_roots: list[Path] = Field(default_factory=list)  # publish-by-path allowed under these
+    drain_timeout_s: float = Field(30.0, ge=0)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.model is None and not self.demo:
+            raise ValueError("set --model DIR (an HF-format model directory) or --demo")
+        if self.model is not None and self.demo:
+            raise ValueError("--model and --demo exclude each other: choose one")
+        if self.dtype == "float16" and self.device == "cpu":
+            raise ValueError(
+                "float16 on CPU is slow and poorly supported: use --dtype bfloat16 or float32"
+            )
+        return self
+
+    @property
+    def device_budget_bytes(self) -> int:
+        return int(self.device_budget_gib * GIB)
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return int(self.host_budget_gib * GIB)
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return int(self.disk_budget_gib * GIB)
+
+    @property
+    def cache_budget_bytes(self) -> int:
+        return int(self.cache_budget_mib * MIB)

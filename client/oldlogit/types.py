@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 __all__ = [
     "FloatArray",
@@ -90,11 +90,19 @@ IntArray = Annotated[
     npt.NDArray[np.int64],
     BeforeValidator(_as_int_array),
     PlainSerializer(lambda a: [int(x) for x in a.tolist()], return_type=list[int]),
+    WithJsonSchema({"type": "array", "items": {"type": "integer"}}),
 ]
 FloatArray = Annotated[
     npt.NDArray[np.float32],
     BeforeValidator(_as_float_array),
     PlainSerializer(lambda a: [_float_to_json(x) for x in a.tolist()], return_type=list[Any]),
+    WithJsonSchema(
+        {
+            "type": "array",
+            "items": {"anyOf": [{"type": "number"}, {"enum": ["-inf", "inf", "nan"]}]},
+            "description": "float32 values; JSON has no infinity, so -inf is the string \"-inf\"",
+        }
+    ),
 ]
 
 

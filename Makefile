@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` (the demo service) and `make test` (the suite).
+# Both create .venv and install what they need; torch is pinned by constraints.txt in every
+# install path (an unpinned torch pulls multi-GB CUDA wheels).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+
+.PHONY: demo test lint typecheck proto install
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt "torch==2.13.0"
+	$(PIP) install -q -c constraints.txt -e ".[service,dev]"
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/oldlogit serve --demo --snapshot-dir ./snapshots/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check client service tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check client service tests benchmarks examples scripts
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py

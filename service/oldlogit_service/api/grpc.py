@@ -1,0 +1,265 @@
+"""gRPC transport (grpc.aio): each method converts, calls ``Runtime``, converts back.
+
+One interceptor maps every error of the tree to its status code, with the error payload in the
+trailing metadata (``oldlogit-error-bin``) and ``retry-after`` for Overloaded, and records
+metrics. Also serves ``grpc.health.v1.Health`` and server reflection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from oldlogit import convert
+from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
+from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
+from oldlogit.errors import (
+    InternalError,
+    InvalidRequest,
+    LimitExceeded,
+    OldLogitError,
+    Overloaded,
+)
+
+from oldlogit_service.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "oldlogit.v1.OldLogit"
+_WRITE_METHODS = {
+    "DeleteVersion", "Publish", "PublishByPath", "SetWatermark", "CreateLease", "DeleteLease",
+}
+
+
+def _peer_host(peer: str) -> str:
+    # "ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" / "unix:/path"
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]").removeprefix("%5B").removesuffix("%5D")
+    return peer
+
+
+def _token(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, tok = str(value).partition(" ")
+            return tok.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: OldLogitError) -> None:
+    md: list[tuple[str, str | bytes]] = [
+        ("oldlogit-error-bin", json.dumps(err.to_payload()).encode())
+    ]
+    if isinstance(err, Overloaded):
+        md.append(("retry-after", f"{err.retry_after_s:g}"))
+    context.set_trailing_metadata(tuple(md))
+    await context.abort(getattr(grpc.StatusCode, err.grpc_status), err.message)
+
+
+class _Interceptor(grpc.aio.ServerInterceptor):
+    """Auth, error mapping and metrics for every OldLogit method, in one place."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+
+    def _wrap(self, method: str, inner: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        rt = self._rt
+        write = method in _WRITE_METHODS
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            err: OldLogitError | None = None
+            try:
+                rt.authorize(write=write, token=_token(context), peer=_peer_host(context.peer()))
+                return await inner(request, context)
+            except OldLogitError as exc:
+                err = exc
+            except Exception as exc:  # noqa: BLE001 - the last resort: never a traceback
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                logger.exception("unhandled error in %s", method)
+                err = InternalError("internal error; see the server log")
+            finally:
+                if err is not None:
+                    code = err.grpc_status
+                rt.metrics.requests.labels(method, "grpc", code).inc()
+                rt.metrics.latency.labels(method, "grpc").observe(time.perf_counter() - start)
+            await _abort(context, err)
+
+        return behavior
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        path = details.method or ""
+        if handler is None or not path.startswith(f"/{SERVICE}/"):
+            return handler
+        method = path.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap(method, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+class OldLogitServicer(pb_grpc.OldLogitServicer):  # type: ignore[misc]
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._max_upload = int(rt.settings.max_upload_gib * 1024**3)
+
+    async def Logprobs(self, request: Any, context: Any) -> Any:
+        req = convert.request_from_proto(request)
+        remaining = context.time_remaining()
+        if remaining is not None:  # the client's deadline bounds the server's
+            cap = max(0.001, float(remaining))
+            req.timeout_s = min(req.timeout_s or cap, cap)
+        resp = await self._rt.logprobs(req)
+        return convert.response_to_proto(resp, req)
+
+    async def ListVersions(self, request: Any, context: Any) -> Any:
+        versions, watermark = self._rt.versions()
+        return convert.versions_to_proto(versions, watermark)
+
+    async def GetVersion(self, request: Any, context: Any) -> Any:
+        return convert.version_info_to_proto(self._rt.version(request.policy_version))
+
+    async def DeleteVersion(self, request: Any, context: Any) -> Any:
+        await self._rt.delete_version(request.policy_version)
+        return pb.DeleteVersionResponse(policy_version=request.policy_version)
+
+    async def Publish(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        header = None
+        incoming = self._rt.settings.snapshot_dir / "incoming"
+        incoming.mkdir(parents=True, exist_ok=True)
+        tmp = incoming / f"upload-grpc-{uuid.uuid4().hex}.safetensors.part"
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                async for chunk in request_iterator:
+                    if chunk.HasField("header"):
+                        if header is not None:
+                            raise InvalidRequest("the publish stream holds two headers",
+                                                 parameter="header")
+                        header = chunk.header
+                        continue
+                    if header is None:
+                        raise InvalidRequest("the first publish chunk must carry the header",
+                                             parameter="header")
+                    size += len(chunk.data)
+                    if size > self._max_upload:
+                        raise LimitExceeded(
+                            f"the upload exceeds the limit of {self._max_upload} bytes",
+                            parameter="data",
+                        )
+                    f.write(chunk.data)
+            if header is None:
+                raise InvalidRequest("the publish stream is empty", parameter="header")
+            if header.delta or header.HasField("parent"):
+                raise InvalidRequest(
+                    "delta publishing is not enabled on this server; upload full weights",
+                    parameter="delta",
+                )
+            if size == 0:
+                raise InvalidRequest("the upload holds no data: send a safetensors file",
+                                     parameter="data")
+            res = await self._rt.publish_file(
+                header.policy_version, tmp, sha256=header.sha256 or None, move=True
+            )
+            return convert.publish_result_to_proto(res)
+        finally:
+            if tmp.exists():
+                os.unlink(tmp)
+
+    async def PublishByPath(self, request: Any, context: Any) -> Any:
+        if request.delta or request.HasField("parent"):
+            raise InvalidRequest("delta publishing is not enabled on this server",
+                                 parameter="delta")
+        res = await self._rt.publish_path(
+            request.policy_version, request.path, sha256=request.sha256 or None
+        )
+        return convert.publish_result_to_proto(res)
+
+    async def SetWatermark(self, request: Any, context: Any) -> Any:
+        wm = await self._rt.set_watermark(request.policy_version)
+        return pb.WatermarkResponse(watermark=wm)
+
+    async def CreateLease(self, request: Any, context: Any) -> Any:
+        lease = self._rt.create_lease(request.policy_version, request.holder, request.ttl_s)
+        return convert.lease_info_to_proto(lease)
+
+    async def DeleteLease(self, request: Any, context: Any) -> Any:
+        self._rt.release_lease(request.lease_id)
+        return pb.DeleteLeaseResponse(lease_id=request.lease_id)
+
+    async def GetInfo(self, request: Any, context: Any) -> Any:
+        return convert.info_to_proto(self._rt.info())
+
+
+class Health:
+    """The standard health service; flips to NOT_SERVING when the runtime drains."""
+
+    def __init__(self) -> None:
+        self.servicer = health_aio.HealthServicer()
+
+    async def set_serving(self) -> None:
+        for name in ("", SERVICE):
+            await self.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        for name in ("", SERVICE):
+            await self.servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def start_grpc_server(
+    rt: Runtime, host: str, port: int
+) -> tuple[grpc.aio.Server, int, Health]:
+    max_bytes = int(rt.settings.max_request_mib * 1024 * 1024)
+    server = grpc.aio.server(
+        interceptors=[_Interceptor(rt)],
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ],
+    )
+    pb_grpc.add_OldLogitServicer_to_server(OldLogitServicer(rt), server)
+    health = Health()
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    reflection.enable_server_reflection(
+        (pb.DESCRIPTOR.services_by_name["OldLogit"].full_name, reflection.SERVICE_NAME,
+         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+        server,
+    )
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(target)
+    if bound == 0:
+        raise OSError(f"could not bind gRPC to {target}")
+    await server.start()
+    await health.set_serving()
+    return server, bound, health

@@ -1,0 +1,150 @@
+"""The ``oldlogit`` command: ``serve``, ``publish``, ``bench``.
+
+Every ``serve`` flag is also an ``OLDLOGIT_*`` environment variable (flags win); the flags
+given are the only ones passed to ``Settings``, which reads the environment for the rest.
+Logging is configured here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", {"type": Path, "metavar": "DIR", "help": "HF-format model directory"}),
+    ("--demo", {"action": "store_true", "default": None,
+                "help": "tiny random causal LM with a few versions: no model, no network"}),
+    ("--snapshot-dir", {"type": Path, "metavar": "DIR", "help": "where versions are kept"}),
+    ("--host", {"help": "address to bind (default 127.0.0.1)"}),
+    ("--http-port", {"type": int, "help": "HTTP port (default 8000; 0 picks a free one)"}),
+    ("--grpc-port", {"type": int, "help": "gRPC port (default 50051; 0 picks a free one)"}),
+    ("--device", {"choices": ["auto", "cpu", "cuda"]}),
+    ("--dtype", {"choices": ["bfloat16", "float16", "float32"]}),
+    ("--lm-head-fp32", {"action": "store_true", "default": None,
+                        "help": "cast hidden states and head weight to float32 for the head"}),
+    ("--mode", {"choices": ["deterministic", "fast"]}),
+    ("--device-budget-gib", {"type": float}),
+    ("--host-budget-gib", {"type": float}),
+    ("--disk-budget-gib", {"type": float}),
+    ("--max-versions", {"type": int}),
+    ("--redis-url", {"help": "Redis for registry/leases/membership (scale-out)"}),
+    ("--cache-redis-url", {"help": "Redis for the shared result cache"}),
+    ("--write-token", {"help": "bearer token required for writes (publish, delete, leases)"}),
+    ("--read-token", {"help": "bearer token required for reads"}),
+    ("--max-wait-ms", {"type": float, "help": "batching wait for the first job in a batch"}),
+    ("--max-batch-tokens", {"type": int}),
+    ("--max-queue", {"type": int}),
+    ("--max-seq-len", {"type": int}),
+    ("--cache-budget-mib", {"type": float}),
+    ("--publish-root", {"type": Path, "action": "append", "dest": "publish_roots",
+                        "metavar": "DIR", "help": "allow publish-by-path under DIR (repeatable)"}),
+    ("--drain-timeout-s", {"type": float}),
+    ("--log-level", {"help": "DEBUG, INFO, WARNING, ERROR"}),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oldlogit", description="The old-logit service.")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP and gRPC servers")
+    for flag, kw in _SERVE_FLAGS:
+        serve.add_argument(flag, **kw)
+    pub = sub.add_parser("publish", help="publish weights to a running service")
+    pub.add_argument("--url", required=True, help="http://HOST:PORT or grpc://HOST:PORT")
+    pub.add_argument("--version", type=int, required=True, dest="policy_version")
+    src = pub.add_mutually_exclusive_group(required=True)
+    src.add_argument("--weights", type=Path, help="safetensors file or directory to upload")
+    src.add_argument("--path", type=Path, help="file or directory the service reads itself")
+    pub.add_argument("--delta", action="store_true", help="send only the changed elements")
+    pub.add_argument("--token", default=None, help="write token (or OLDLOGIT_WRITE_TOKEN)")
+    pub.add_argument("--no-progress", action="store_true")
+    bench = sub.add_parser("bench", help="run the benchmark suite")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite")
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from oldlogit_service.config import Settings
+
+    given = {
+        k: v for k, v in vars(args).items() if k != "command" and v is not None
+    }
+    try:
+        settings = Settings(**given)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            where = f"--{loc.replace('_', '-')}: " if loc else ""
+            print(f"oldlogit serve: {where}{err['msg']}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from oldlogit_service.server import Bound, serve
+
+    def ready(bound: Bound, _rt: Any) -> None:
+        # One line each, machine-readable: scripts and tests read the chosen ports from here.
+        print(f"http={bound.http}", flush=True)
+        print(f"grpc={bound.grpc}", flush=True)
+        if settings.write_token is None:
+            logging.getLogger("oldlogit").warning(
+                "no --write-token: publish/delete/watermark/leases accepted from loopback only"
+            )
+
+    asyncio.run(serve(settings, on_ready=ready))
+    return 0
+
+
+def _publish(args: argparse.Namespace) -> int:
+    import os
+
+    from oldlogit import Client, OldLogitError
+
+    token = args.token or os.environ.get("OLDLOGIT_WRITE_TOKEN")
+    try:
+        with Client(args.url, token=token, timeout_s=3600.0) as c:
+            if args.path is not None:
+                res = c.publish(args.policy_version, str(args.path), by_path=True)
+            else:
+                res = c.publish(
+                    args.policy_version, args.weights, delta=args.delta,
+                    progress=not args.no_progress,
+                )
+    except OldLogitError as exc:
+        where = f" ({exc.parameter})" if exc.parameter else ""
+        print(f"oldlogit publish: {exc.code}{where}: {exc.message}", file=sys.stderr)
+        return 1
+    state = "published" if res.created else "already published (same weights)"
+    print(f"version {res.policy_version} {state}: sha256={res.weight_sha256}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.suite import main as bench_main
+    except ImportError:
+        print("oldlogit bench: run it from a source checkout (the benchmarks/ folder)",
+              file=sys.stderr)
+        return 2
+    return int(bench_main(list(args.rest)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "publish":
+        return _publish(args)
+    return _bench(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Prometheus metrics: one registry per runtime (so several servers can live in one process).
+
+Counters and histograms are fed by the transports (requests, latency), the scheduler (queue
+wait, batches) and the runtime (cache, publishes); gauges for tiers and the queue are read from
+the store and scheduler at scrape time by a collector, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+
+class _StateCollector(Collector):
+    """Reads live state (tiers, queue, cache, versions) at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._read()
+        tier_bytes = GaugeMetricFamily(
+            "oldlogit_tier_bytes", "Bytes of weights resident per tier", labels=["tier"]
+        )
+        tier_budget = GaugeMetricFamily(
+            "oldlogit_tier_budget_bytes", "Byte budget per tier", labels=["tier"]
+        )
+        tier_versions = GaugeMetricFamily(
+            "oldlogit_tier_versions", "Versions resident per tier", labels=["tier"]
+        )
+        for tier, t in s.get("tiers", {}).items():
+            tier_bytes.add_metric([tier], float(t.get("bytes", 0)))
+            tier_budget.add_metric([tier], float(t.get("budget", 0)))
+            tier_versions.add_metric([tier], float(t.get("versions", 0)))
+        yield tier_bytes
+        yield tier_budget
+        yield tier_versions
+        evictions = CounterMetricFamily(
+            "oldlogit_evictions", "Versions evicted from a tier", labels=["tier"]
+        )
+        for tier, n in s.get("evictions", {}).items():
+            evictions.add_metric([tier], float(n))
+        yield evictions
+        yield GaugeMetricFamily(
+            "oldlogit_versions", "Versions retained (acknowledged, not evicted)",
+            value=float(s.get("versions", 0)),
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_newest_version", "Newest published version (-1: none)",
+            value=float(s.get("newest", -1)),
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_watermark", "Retention watermark (-1: none)",
+            value=float(s.get("watermark", -1)),
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_leases", "Live leases", value=float(s.get("leases", 0))
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_queue_depth", "Jobs waiting in the scheduler",
+            value=float(s.get("queue_depth", 0)),
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_queue_tokens", "Tokens waiting in the scheduler",
+            value=float(s.get("queue_tokens", 0)),
+        )
+        cache = s.get("cache", {})
+        yield CounterMetricFamily(
+            "oldlogit_cache_hits", "Result cache hits", value=float(cache.get("hits", 0))
+        )
+        yield CounterMetricFamily(
+            "oldlogit_cache_misses", "Result cache misses", value=float(cache.get("misses", 0))
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_cache_bytes", "Bytes held by the result cache",
+            value=float(cache.get("bytes", 0)),
+        )
+        yield GaugeMetricFamily(
+            "oldlogit_ready", "1 when the service can serve", value=float(s.get("ready", 0))
+        )
+
+
+class Metrics:
+    """The service's metrics; also the scheduler's observer."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "oldlogit_requests", "Requests by route, transport and outcome code",
+            ["route", "transport", "code"], registry=r,
+        )
+        self.latency = Histogram(
+            "oldlogit_request_latency_seconds", "Request latency by route and transport",
+            ["route", "transport"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "oldlogit_queue_wait_seconds", "Time a job waited in the scheduler queue",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "oldlogit_batch_tokens", "Tokens per executed batch", buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "oldlogit_batch_seconds", "Wall time per executed batch (load + forward)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tokens = Counter(
+            "oldlogit_tokens", "Tokens forwarded (rate() gives tokens/s)", registry=r
+        )
+        self.scored = Counter(
+            "oldlogit_scored_tokens", "Logprobs returned, by source", ["source"], registry=r
+        )
+        self.publish_seconds = Histogram(
+            "oldlogit_publish_seconds", "Publish duration (receive, verify, persist)",
+            ["outcome"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.publishes = Counter(
+            "oldlogit_publishes", "Publishes by outcome code", ["code"], registry=r
+        )
+
+    def attach_state(self, read: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_StateCollector(read))
+
+    # SchedulerObserver
+    def on_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+
+    def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None:
+        self.batch_tokens.observe(tokens)
+        self.batch_seconds.observe(seconds)
+        self.tokens.inc(tokens)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,390 @@
+"""The one runtime object both transports call: logprobs, publish, versions, leases, info.
+
+In: contract types (``oldlogit.types``). Out: contract types, or errors of the tree. Flow of a
+logprobs call: validate/plan → resolve each version's weight hash → result cache → scheduler
+(version-aware batches) → stitch per sequence. Nothing here knows HTTP or gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from oldlogit.errors import (
+    DeadlineExceeded,
+    Forbidden,
+    InvalidRequest,
+    OldLogitError,
+    Unauthorized,
+    Unavailable,
+)
+from oldlogit.types import (
+    Info,
+    LeaseInfo,
+    LogprobsRequest,
+    LogprobsResponse,
+    PublishResult,
+    SequenceResult,
+    VersionInfo,
+)
+
+from oldlogit_service import __version__
+from oldlogit_service.cache import ResultCache
+from oldlogit_service.config import Settings
+from oldlogit_service.engine import Engine, Job, SamplingParams
+from oldlogit_service.metrics import Metrics
+from oldlogit_service.model import LoadedModel
+from oldlogit_service.scheduler import BatchPolicy, Scheduler
+from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.validate import Limits, SequencePlan, plan_request
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK = ("127.", "::1", "localhost", "unix:")
+
+
+@dataclass
+class _Pending:
+    plan: SequencePlan
+    version: int
+    positions: npt.NDArray[np.int64]
+    key: bytes | None
+    value: npt.NDArray[np.float32] | None = None
+    future: Future[npt.NDArray[np.float32]] | None = None
+
+
+def _record_to_info(rec: Any) -> VersionInfo:
+    return VersionInfo(
+        policy_version=int(rec.version),
+        weight_sha256=str(rec.sha256),
+        nbytes=int(rec.nbytes),
+        tiers=sorted(str(t) for t in rec.tiers),
+        kind=str(getattr(rec, "kind", "keyframe")),
+        parent=getattr(rec, "parent", None),
+        leases=int(getattr(rec, "leases", 0)),
+        created_at=float(getattr(rec, "created_at", 0.0)),
+    )
+
+
+class Runtime:
+    def __init__(
+        self,
+        settings: Settings,
+        model: LoadedModel,
+        store: SnapshotStore,
+        engine: Engine,
+        cache: ResultCache,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.store = store
+        self.engine = engine
+        self.cache = cache
+        self.metrics = metrics or Metrics()
+        self.limits = Limits(
+            vocab_size=model.vocab_size,
+            max_seq_len=min(settings.max_seq_len or model.max_positions, model.max_positions),
+            max_tokens_per_request=settings.max_tokens_per_request,
+            max_sequences_per_request=settings.max_sequences_per_request,
+        )
+        self.scheduler = Scheduler(
+            engine,
+            store,
+            policy=BatchPolicy(
+                max_batch_tokens=settings.max_batch_tokens,
+                max_wait_s=settings.max_wait_ms / 1000.0,
+            ),
+            max_queue=settings.max_queue,
+            observer=self.metrics,
+        )
+        attn = str(getattr(model.module.config, "_attn_implementation", "eager"))
+        head = "float32" if settings.lm_head_fp32 else settings.dtype
+        # Everything besides weights and request that changes the numbers goes in cache keys.
+        self.numerics = f"{settings.dtype}/{attn}/head={head}/{settings.mode}/{model.device.type}"
+        self._ready = True
+        self._draining = False
+        self.metrics.attach_state(self.state)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._draining
+
+    def start_draining(self) -> None:
+        """Not-ready first (load balancers stop sending), then the caller drains and stops."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        return await asyncio.to_thread(self.scheduler.drain, timeout_s)
+
+    def close(self) -> None:
+        self._ready = False
+        self.scheduler.close()
+
+    def state(self) -> dict[str, Any]:
+        st: dict[str, Any] = dict(self.store.stats())
+        st["queue_depth"] = self.scheduler.depth
+        st["queue_tokens"] = self.scheduler.queued_tokens
+        st["cache"] = self.cache.stats()
+        st["ready"] = 1 if self.ready else 0
+        return st
+
+    # -- auth ----------------------------------------------------------------------------
+    def authorize(self, *, write: bool, token: str | None, peer: str | None) -> None:
+        """Check the bearer token; called by both transports before any operation."""
+        s = self.settings
+        expected = s.write_token if write else (s.read_token or None)
+        if write and expected is None:
+            # No write token configured: writes are bound to loopback only.
+            if peer is not None and not peer.startswith(_LOOPBACK):
+                raise Forbidden(
+                    "writes are only accepted from loopback when no --write-token is set",
+                    parameter="authorization",
+                )
+            return
+        if not write and expected is None:
+            return
+        ok = token is not None and hmac.compare_digest(
+            token.encode(), (expected or "").encode()
+        )
+        if not ok and not write and s.write_token is not None and token is not None:
+            ok = hmac.compare_digest(token.encode(), s.write_token.encode())
+        if not ok:
+            raise Unauthorized(
+                "missing or wrong bearer token" + (" for writes" if write else ""),
+                parameter="authorization",
+            )
+
+    # -- logprobs ------------------------------------------------------------------------
+    async def logprobs(self, req: LogprobsRequest) -> LogprobsResponse:
+        if self._draining:
+            raise Unavailable("the service is draining for shutdown", retry_after_s=1.0)
+        if req.proxy is not None:
+            raise InvalidRequest(
+                f"proxy={req.proxy!r} is not enabled on this deployment", parameter="proxy"
+            )
+        plans = plan_request(req, self.limits)
+        timeout = req.timeout_s or self.settings.request_timeout_s
+        deadline = time.monotonic() + timeout
+        hashes: dict[int, str] = {}
+        for v in {v for p in plans for v in p.jobs}:
+            hashes[v] = self.store.sha256(v)  # UnknownVersion / VersionEvicted
+        pending: list[_Pending] = []
+        for plan in plans:
+            sp = plan.sampling
+            for v, pos in plan.jobs.items():
+                key = None
+                if req.use_cache:
+                    key = self.cache.make_key(
+                        weight_sha256=hashes[v],
+                        numerics=self.numerics,
+                        sampling=(float(sp.temperature), int(sp.top_k), float(sp.top_p)),
+                        token_ids=plan.token_ids,
+                        positions=pos,
+                    )
+                pending.append(_Pending(plan, v, pos, key, self.cache.get(key) if key else None))
+        try:
+            for p in pending:
+                if p.value is None:
+                    job = Job(
+                        token_ids=torch.from_numpy(p.plan.token_ids),
+                        positions=torch.from_numpy(p.positions),
+                        sampling=SamplingParams(
+                            temperature=float(p.plan.sampling.temperature),
+                            top_k=int(p.plan.sampling.top_k),
+                            top_p=float(p.plan.sampling.top_p),
+                        ),
+                    )
+                    p.future = self.scheduler.submit(p.version, job, deadline=deadline)
+            waits = [asyncio.wrap_future(p.future) for p in pending if p.future is not None]
+            if waits:
+                try:
+                    results = await asyncio.wait_for(
+                        asyncio.gather(*waits), timeout=max(0.0, deadline - time.monotonic())
+                    )
+                except TimeoutError as exc:
+                    raise DeadlineExceeded(
+                        f"no answer within timeout_s={timeout:g}", parameter="timeout_s"
+                    ) from exc
+                it = iter(results)
+                for p in pending:
+                    if p.future is not None:
+                        p.value = next(it)
+                        if p.key is not None:
+                            self.cache.put(p.key, p.value)
+        finally:
+            for p in pending:  # cancelled or failed requests leave nothing queued behind
+                if p.future is not None and not p.future.done():
+                    p.future.cancel()
+        return LogprobsResponse(results=self._stitch(plans, pending, hashes))
+
+    def _stitch(
+        self, plans: list[SequencePlan], pending: list[_Pending], hashes: Mapping[int, str]
+    ) -> list[SequenceResult]:
+        by_plan: dict[int, list[_Pending]] = {}
+        for p in pending:
+            by_plan.setdefault(p.plan.index, []).append(p)
+        out: list[SequenceResult] = []
+        cached_n = computed_n = 0
+        for plan in plans:
+            lp = np.full(len(plan.token_ids), np.nan, dtype=np.float32)
+            parts = by_plan.get(plan.index, [])
+            for p in parts:
+                assert p.value is not None
+                lp[p.positions] = p.value
+                if p.future is None:
+                    cached_n += len(p.positions)
+                else:
+                    computed_n += len(p.positions)
+            versions = sorted(plan.jobs)
+            out.append(
+                SequenceResult(
+                    logprobs=lp,
+                    versions=versions,
+                    weight_sha256={v: hashes[v] for v in versions},
+                    exact=True,
+                    cached=bool(parts) and all(p.future is None for p in parts),
+                )
+            )
+        if cached_n:
+            self.metrics.scored.labels("cache").inc(cached_n)
+        if computed_n:
+            self.metrics.scored.labels("forward").inc(computed_n)
+        return out
+
+    # -- versions ------------------------------------------------------------------------
+    def _check_version_arg(self, version: int) -> None:
+        if version < 0:
+            raise InvalidRequest(
+                f"policy_version must be >= 0, got {version}", parameter="policy_version"
+            )
+
+    async def publish_file(
+        self, version: int, path: Path, *, sha256: str | None, move: bool
+    ) -> PublishResult:
+        self._check_version_arg(version)
+        return await self._publish(
+            lambda: self.store.publish_file(version, path, expected_sha256=sha256, move=move)
+        )
+
+    async def publish_weights(
+        self, version: int, weights: Mapping[str, torch.Tensor], *, sha256: str | None
+    ) -> PublishResult:
+        self._check_version_arg(version)
+        return await self._publish(
+            lambda: self.store.publish(version, weights, expected_sha256=sha256)
+        )
+
+    async def publish_path(self, version: int, path: str, *, sha256: str | None) -> PublishResult:
+        """Publish from storage the service can read, only under the configured roots."""
+        self._check_version_arg(version)
+        roots = [r.resolve() for r in self.settings.publish_roots]
+        if not roots:
+            raise Forbidden(
+                "publish by path is disabled: start the service with --publish-root DIR",
+                parameter="path",
+            )
+        target = Path(path).resolve()  # symlinks resolved: no escaping a root through a link
+        if not any(target == r or target.is_relative_to(r) for r in roots):
+            raise Forbidden(f"path {path!r} is not under a configured publish root",
+                            parameter="path")
+        if not target.exists():
+            raise InvalidRequest(f"path {path!r} does not exist", parameter="path")
+        return await self._publish(
+            lambda: self.store.publish(version, target, expected_sha256=sha256)
+        )
+
+    async def _publish(self, do: Any) -> PublishResult:
+        start = time.perf_counter()
+        code = "ok"
+        try:
+            out = await asyncio.to_thread(do)
+        except OldLogitError as exc:
+            code = exc.code
+            raise
+        except Exception:
+            code = "internal"
+            raise
+        finally:
+            self.metrics.publishes.labels(code).inc()
+            self.metrics.publish_seconds.labels(code).observe(time.perf_counter() - start)
+        return PublishResult(
+            policy_version=int(out.version),
+            weight_sha256=str(out.sha256),
+            created=bool(out.created),
+            nbytes=int(out.nbytes),
+            kind=str(getattr(out, "kind", "keyframe")),
+        )
+
+    def versions(self) -> tuple[list[VersionInfo], int | None]:
+        return [_record_to_info(r) for r in self.store.versions()], self.store.watermark
+
+    def version(self, version: int) -> VersionInfo:
+        return _record_to_info(self.store.info(version))
+
+    async def delete_version(self, version: int) -> None:
+        await asyncio.to_thread(self.store.delete, version)
+
+    async def set_watermark(self, version: int) -> int:
+        self._check_version_arg(version)
+        await asyncio.to_thread(self.store.set_watermark, version)
+        wm = self.store.watermark
+        return int(wm if wm is not None else version)
+
+    def create_lease(self, version: int, holder: str, ttl_s: float) -> LeaseInfo:
+        if not (math.isfinite(ttl_s) and 0 < ttl_s <= 7 * 24 * 3600):
+            raise InvalidRequest(
+                f"ttl_s must be in (0, 604800] seconds, got {ttl_s!r}", parameter="ttl_s"
+            )
+        rec = self.store.lease(version, holder, ttl_s)
+        return LeaseInfo(
+            lease_id=str(rec.lease_id),
+            policy_version=int(rec.version),
+            holder=str(rec.holder),
+            ttl_s=float(rec.ttl_s),
+            expires_at=float(rec.expires_at),
+        )
+
+    def release_lease(self, lease_id: str) -> None:
+        self.store.release(lease_id)
+
+    def info(self) -> Info:
+        s = self.settings
+        m = self.model
+        return Info(
+            model_type=m.model_type,
+            architecture=m.architecture,
+            vocab_size=m.vocab_size,
+            max_positions=m.max_positions,
+            num_parameters=m.num_parameters,
+            dtype=s.dtype,
+            head_dtype="float32" if s.lm_head_fp32 else s.dtype,
+            device=str(m.device),
+            mode=s.mode,
+            fast_mode_max_abs_deviation=None,
+            limits={
+                "max_seq_len": self.limits.max_seq_len,
+                "max_tokens_per_request": self.limits.max_tokens_per_request,
+                "max_sequences_per_request": self.limits.max_sequences_per_request,
+                "max_batch_tokens": s.max_batch_tokens,
+                "max_queue": s.max_queue,
+                "max_request_mib": s.max_request_mib,
+                "max_upload_gib": s.max_upload_gib,
+                "request_timeout_s": s.request_timeout_s,
+            },
+            versions=[int(r.version) for r in self.store.versions()],
+            watermark=self.store.watermark,
+            server_version=__version__,
+        )

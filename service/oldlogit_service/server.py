@@ -1,0 +1,216 @@
+"""Build the runtime from ``Settings`` and run HTTP (uvicorn) and gRPC (grpc.aio) in one loop.
+
+Shutdown on SIGTERM/SIGINT: not-ready first (``/readyz`` and gRPC health flip), drain the
+queue, then stop both servers. ``ServerThread`` runs the same thing on a background thread for
+tests and benchmarks (real servers on 127.0.0.1, port 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from oldlogit_service.api.grpc import start_grpc_server
+from oldlogit_service.api.http import create_app
+from oldlogit_service.cache import ResultCache
+from oldlogit_service.config import Settings
+from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
+from oldlogit_service.engine import Engine
+from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir, resolve_device
+from oldlogit_service.runtime import Runtime
+from oldlogit_service.snapshots import SnapshotStore
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    """Load the architecture, open the snapshot store, seed version 0 / the demo versions."""
+    device = resolve_device(settings.device)
+    dtype = _DTYPES[settings.dtype]
+    if settings.demo:
+        # The demo model is seeded, so a restart on the same snapshot dir rebuilds the very
+        # same architecture; it lives outside the snapshot dir, which holds only versions.
+        model_dir = make_tiny_model_dir(
+            Path(tempfile.mkdtemp(prefix="oldlogit-demo-model-")), **DEMO_MODEL_KWARGS
+        )
+    else:
+        assert settings.model is not None
+        model_dir = settings.model
+    model = load_model(model_dir, dtype=dtype, device=device)
+    settings.snapshot_dir.mkdir(parents=True, exist_ok=True)
+    store = SnapshotStore(
+        settings.snapshot_dir,
+        param_specs=model.param_specs,
+        device=device,
+        device_budget_bytes=settings.device_budget_bytes,
+        host_budget_bytes=settings.host_budget_bytes,
+        disk_budget_bytes=settings.disk_budget_bytes,
+        max_versions=settings.max_versions,
+    )
+    if not store.versions() and store.newest is None:
+        if settings.demo:
+            publish_demo_versions(store, model_dir, model)
+        else:
+            weights = load_weights(model_dir, model)
+            if weights is not None:
+                logger.info("publishing the weights in %s as version 0", model_dir)
+                store.publish(0, weights)
+    engine = Engine(model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
+    cache = ResultCache(settings.cache_budget_bytes)
+    return Runtime(settings, model, store, engine, cache)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Signals are ours: SIGTERM must flip readiness and drain before uvicorn stops.
+        yield
+
+
+@dataclass
+class Bound:
+    http: str  # host:port
+    grpc: str  # host:port
+
+
+async def serve(
+    settings: Settings,
+    *,
+    runtime: Runtime | None = None,
+    on_ready: Callable[[Bound, Runtime], None] | None = None,
+    stop: asyncio.Event | None = None,
+    install_signals: bool = True,
+) -> None:
+    """Run both transports until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    rt = runtime or await asyncio.to_thread(build_runtime, settings)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if install_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+    sock = _bind(settings.host, settings.http_port)
+    http_port = sock.getsockname()[1]
+    app = create_app(rt)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+    )
+    http_server = _Uvicorn(config)
+    grpc_server, grpc_port, health = await start_grpc_server(rt, settings.host, settings.grpc_port)
+    http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
+    while not http_server.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        await http_task  # raises the start-up error
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    bound = Bound(http=f"{host}:{http_port}", grpc=f"{host}:{grpc_port}")
+    if on_ready is not None:
+        on_ready(bound, rt)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down: not ready, draining up to %.0fs", settings.drain_timeout_s)
+        rt.start_draining()
+        await health.set_not_serving()
+        drained = await rt.drain(settings.drain_timeout_s)
+        if not drained:
+            logger.warning("drain timed out; remaining requests are failed as unavailable")
+        await grpc_server.stop(grace=min(5.0, settings.drain_timeout_s))
+        http_server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(http_task, timeout=settings.drain_timeout_s + 5)
+        rt.close()
+
+
+class ServerThread:
+    """Runs ``serve`` on a background thread; for tests, benchmarks and notebooks."""
+
+    def __init__(self, settings: Settings, runtime: Runtime | None = None) -> None:
+        self.settings = settings
+        self._runtime = runtime
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.bound: Bound | None = None
+        self.runtime: Runtime | None = None
+        self._thread = threading.Thread(target=self._main, name="oldlogit-server", daemon=True)
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def ready(b: Bound, rt: Runtime) -> None:
+                self.bound, self.runtime = b, rt
+                self._ready.set()
+
+            await serve(
+                self.settings, runtime=self._runtime, on_ready=ready, stop=self._stop,
+                install_signals=False,
+            )
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+            self._ready.set()
+
+    def start(self, timeout_s: float = 120.0) -> ServerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError("the server did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def http_url(self) -> str:
+        assert self.bound is not None
+        return f"http://{self.bound.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        assert self.bound is not None
+        return f"grpc://{self.bound.grpc}"
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=60)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,166 @@
+"""Validate a logprobs request and plan it into one job per (sequence, version).
+
+In: a ``LogprobsRequest`` (contract type) and the deployment's ``Limits``. Out: a list of
+``SequencePlan`` whose ``jobs`` map each distinct version to the positions it scores. Every
+refusal is an error from ``oldlogit.errors`` naming the offending parameter by its path in the
+request (``sequences[3].token_ids``). This stage never touches weights or tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from oldlogit.errors import (
+    BadSampling,
+    InvalidRequest,
+    LimitExceeded,
+    MalformedVersions,
+    SequenceTooLong,
+    TokenOutOfVocab,
+)
+from oldlogit.types import NOT_SCORED, LogprobsRequest, Sampling, Sequence
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_seq_len: int
+    max_tokens_per_request: int
+    max_sequences_per_request: int
+
+
+@dataclass
+class SequencePlan:
+    index: int
+    token_ids: npt.NDArray[np.int64]  # [n]
+    sampling: Sampling
+    # version -> sorted scored positions (each in [1, n)); one whole-sequence forward each.
+    jobs: dict[int, npt.NDArray[np.int64]] = field(default_factory=dict)
+
+
+def check_sampling(sampling: Sampling, where: str) -> None:
+    t = sampling.temperature
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise BadSampling(
+            f"{where}.temperature must be a finite number > 0, got {t!r}",
+            parameter=f"{where}.temperature",
+        )
+    if sampling.top_k < 0:
+        raise BadSampling(
+            f"{where}.top_k must be >= 0 (0 disables top-k), got {sampling.top_k}",
+            parameter=f"{where}.top_k",
+        )
+    p = sampling.top_p
+    if not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise BadSampling(
+            f"{where}.top_p must be in (0, 1] (1 disables top-p), got {p!r}",
+            parameter=f"{where}.top_p",
+        )
+
+
+def _per_token_versions(seq: Sequence, where: str) -> npt.NDArray[np.int64]:
+    n = len(seq.token_ids)
+    if seq.versions is not None:
+        if seq.policy_version is not None:
+            raise MalformedVersions(
+                f"{where}: give either policy_version (+ score_from) or versions, not both",
+                parameter=f"{where}.versions",
+            )
+        if seq.score_from is not None:
+            raise MalformedVersions(
+                f"{where}.score_from goes with policy_version; with per-token versions mark "
+                "unscored tokens with -1 instead",
+                parameter=f"{where}.score_from",
+            )
+        if len(seq.versions) != n:
+            raise MalformedVersions(
+                f"{where}.versions must have one entry per token ({n}), got {len(seq.versions)}",
+                parameter=f"{where}.versions",
+            )
+        if n and int(seq.versions.min()) < NOT_SCORED:
+            bad = int(np.argmax(seq.versions < NOT_SCORED))
+            raise MalformedVersions(
+                f"{where}.versions[{bad}] = {int(seq.versions[bad])}: versions are "
+                "non-negative, or -1 for 'not scored'",
+                parameter=f"{where}.versions",
+            )
+        return seq.per_token_versions()
+    if seq.policy_version is None:
+        raise MalformedVersions(
+            f"{where}: give policy_version (+ optional score_from) or per-token versions",
+            parameter=f"{where}.policy_version",
+        )
+    if seq.policy_version < 0:
+        raise MalformedVersions(
+            f"{where}.policy_version must be >= 0, got {seq.policy_version}",
+            parameter=f"{where}.policy_version",
+        )
+    if seq.score_from is not None and not (0 <= seq.score_from <= n):
+        raise MalformedVersions(
+            f"{where}.score_from must be in [0, {n}] (the number of tokens), got {seq.score_from}",
+            parameter=f"{where}.score_from",
+        )
+    return seq.per_token_versions()
+
+
+def plan_request(req: LogprobsRequest, limits: Limits) -> list[SequencePlan]:
+    """Check every field and split each sequence into per-version jobs."""
+    if req.timeout_s is not None and not (math.isfinite(req.timeout_s) and req.timeout_s > 0):
+        raise InvalidRequest(
+            f"timeout_s must be a number > 0, got {req.timeout_s!r}", parameter="timeout_s"
+        )
+    check_sampling(req.sampling, "sampling")
+    if not req.sequences:
+        raise InvalidRequest("sequences must hold at least one sequence", parameter="sequences")
+    if len(req.sequences) > limits.max_sequences_per_request:
+        raise LimitExceeded(
+            f"sequences holds {len(req.sequences)} sequences; the limit per request is "
+            f"{limits.max_sequences_per_request}",
+            parameter="sequences",
+        )
+    total = sum(len(s.token_ids) for s in req.sequences)
+    if total > limits.max_tokens_per_request:
+        raise LimitExceeded(
+            f"the request holds {total} tokens; the limit per request is "
+            f"{limits.max_tokens_per_request}",
+            parameter="sequences",
+        )
+    plans: list[SequencePlan] = []
+    for i, seq in enumerate(req.sequences):
+        where = f"sequences[{i}]"
+        ids = seq.token_ids
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequest(
+                f"{where}.token_ids must hold at least one token", parameter=f"{where}.token_ids"
+            )
+        if n > limits.max_seq_len:
+            raise SequenceTooLong(
+                f"{where}.token_ids has {n} tokens; the longest sequence served is "
+                f"{limits.max_seq_len}",
+                parameter=f"{where}.token_ids",
+            )
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= limits.vocab_size:
+            bad_pos = int(np.argmax((ids < 0) | (ids >= limits.vocab_size)))
+            raise TokenOutOfVocab(
+                f"{where}.token_ids[{bad_pos}] = {int(ids[bad_pos])} is outside the vocabulary "
+                f"[0, {limits.vocab_size})",
+                parameter=f"{where}.token_ids",
+            )
+        sampling = req.sampling
+        if seq.sampling is not None:
+            check_sampling(seq.sampling, f"{where}.sampling")
+            sampling = seq.sampling
+        versions = _per_token_versions(seq, where)
+        plan = SequencePlan(index=i, token_ids=ids, sampling=sampling)
+        scored = np.flatnonzero(versions >= 0)
+        if scored.size:
+            vs = versions[scored]
+            for v in np.unique(vs).tolist():
+                plan.jobs[int(v)] = scored[vs == v].astype(np.int64)
+        plans.append(plan)
+    return plans

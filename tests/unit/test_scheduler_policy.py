@@ -1,0 +1,95 @@
+"""pick_batch: the pure batching policy, tested with plain deques."""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from oldlogit_service.scheduler import BatchPolicy, WorkItem, pick_batch
+
+
+def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
+    return WorkItem(version=version, job=Any, future=Future(), enqueued_at=t,  # type: ignore[arg-type]
+                    ntokens=ntokens)
+
+
+def queues(*items: WorkItem) -> dict[int, deque[WorkItem]]:
+    q: dict[int, deque[WorkItem]] = {}
+    for it in items:
+        q.setdefault(it.version, deque()).append(it)
+    return q
+
+
+POLICY = BatchPolicy(max_batch_tokens=25, max_wait_s=0.0, max_switch_delay_s=1.0)
+
+
+def test_empty() -> None:
+    assert pick_batch({}, current=None, now=0.0, policy=POLICY) is None
+
+
+def test_never_mixes_versions_and_respects_token_budget() -> None:
+    q = queues(item(1, 0.0), item(2, 0.1), item(1, 0.2), item(1, 0.3))
+    v, batch = pick_batch(q, current=None, now=0.5, policy=POLICY)  # type: ignore[misc]
+    assert v == 1
+    assert [b.version for b in batch] == [1, 1]  # 10 + 10 <= 25 < 30
+    assert [b.enqueued_at for b in batch] == [0.0, 0.2]  # FIFO within a version
+
+
+def test_a_single_item_over_budget_still_runs() -> None:
+    q = queues(item(3, 0.0, ntokens=1000))
+    v, batch = pick_batch(q, current=None, now=0.0, policy=POLICY)  # type: ignore[misc]
+    assert v == 3 and len(batch) == 1 and q == {}
+
+
+def test_stays_on_current_version_to_save_switches() -> None:
+    q = queues(item(1, 0.0), item(2, 0.1))
+    v, _ = pick_batch(q, current=2, now=0.5, policy=POLICY)  # type: ignore[misc]
+    assert v == 2
+
+
+def test_starving_version_wins_over_current() -> None:
+    q = queues(item(1, 0.0), item(2, 0.1))
+    v, _ = pick_batch(q, current=2, now=1.5, policy=POLICY)  # type: ignore[misc]
+    assert v == 1
+
+
+def test_no_version_starves_under_a_stream_of_current_work() -> None:
+    q = queues(item(7, 0.0))
+    served: list[int] = []
+    now = 0.0
+    current = 5
+    for step in range(50):
+        q.setdefault(5, deque()).append(item(5, now))  # endless work for the current version
+        now += 0.1
+        picked = pick_batch(q, current=current, now=now, policy=POLICY)
+        assert picked is not None
+        current = picked[0]
+        served.append(current)
+        if 7 in served:
+            break
+    assert 7 in served
+    assert step <= 11  # served within max_switch_delay_s (+ one batch)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_item_is_served_exactly_once(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    items = [item(rng.randrange(4), rng.random(), rng.randrange(1, 30)) for _ in range(60)]
+    items.sort(key=lambda i: i.enqueued_at)
+    q = queues(*items)
+    seen: list[WorkItem] = []
+    current = None
+    while True:
+        picked = pick_batch(q, current=current, now=2.0, policy=POLICY)
+        if picked is None:
+            break
+        current, batch = picked
+        assert all(b.version == current for b in batch)
+        assert len(batch) == 1 or sum(b.ntokens for b in batch) <= POLICY.max_batch_tokens
+        seen.extend(batch)
+    assert sorted(map(id, seen)) == sorted(map(id, items))

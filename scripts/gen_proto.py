@@ -67,7 +67,7 @@ def _postprocess(text: str) -> str:
 
 def generate(out_root: Path) -> None:
     """Run protoc (+ grpc and mypy plugins) into `out_root` and post-process the result."""
-    from grpc_tools import protoc  # dev-only dependency: imported when generating
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # dev-only: grpcio-tools
 
     raw = Path(tempfile.mkdtemp(prefix="oldlogit-protoc-"))
     try:

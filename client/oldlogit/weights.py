@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oldlogit.errors import InvalidRequest, WeightsMismatch
+from oldlogit.errors import InvalidRequest
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +33,7 @@ __all__ = [
     "WeightHasher",
     "dtype_name",
     "numpy_dtype",
+    "read_entry_chunks",
     "read_safetensors_header",
     "safetensors_files",
     "safetensors_sha256",
@@ -164,12 +165,13 @@ def tensor_raw_bytes(x: Any) -> memoryview:
         if t.device.type != "cpu":
             t = t.cpu()
         flat = t.contiguous().reshape(-1)  # reshape: view(uint8) needs >= 1 dimension
-        return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+        raw: memoryview = flat.view(torch.uint8).numpy().data
+        return raw.cast("B")
     arr = np.asarray(x)
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     arr = np.ascontiguousarray(arr).reshape(-1)
-    return memoryview(arr.view(np.uint8)).cast("B")
+    return arr.view(np.uint8).data.cast("B")
 
 
 def _shape_of(x: Any) -> tuple[int, ...]:
@@ -192,7 +194,9 @@ class WeightHasher:
     def begin(self, name: str, dtype: str, shape: Iterable[int]) -> None:
         self._check_complete()
         if self._last is not None and name <= self._last:
-            raise ValueError(f"tensor names must be fed in sorted order: {name!r} after {self._last!r}")
+            raise ValueError(
+                f"tensor names must be fed in sorted order: {name!r} after {self._last!r}"
+            )
         if dtype not in DTYPE_ITEMSIZE:
             raise InvalidRequest(f"unknown safetensors dtype {dtype!r}", parameter="weights")
         dims = [int(d) for d in shape]
@@ -310,7 +314,9 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     p = Path(path)
 
     def bad(why: str) -> InvalidRequest:
-        return InvalidRequest(f"{p.name} is not a valid safetensors file: {why}", parameter="weights")
+        return InvalidRequest(
+            f"{p.name} is not a valid safetensors file: {why}", parameter="weights"
+        )
 
     try:
         with open(p, "rb") as f:
@@ -392,7 +398,9 @@ def read_entry_chunks(
     while left > 0:
         data = os.pread(fd, min(chunk, left), pos)
         if not data:
-            raise InvalidRequest(f"{header.path.name} was truncated while reading", parameter="weights")
+            raise InvalidRequest(
+                f"{header.path.name} was truncated while reading", parameter="weights"
+            )
         pos += len(data)
         left -= len(data)
         yield data

@@ -164,9 +164,8 @@ def token_ids_int32(seq: Sequence, index: int) -> npt.NDArray[np.int32]:
     """The token ids as little-endian int32 (their width on the binary wire and in the proto)."""
     ids = seq.token_ids
     if ids.size and (int(ids.min()) < _INT32_MIN or int(ids.max()) > _INT32_MAX):
-        raise InvalidRequest(
-            "token ids must fit in int32", parameter=f"sequences[{index}].token_ids"
-        )
+        parameter = f"sequences[{index}].token_ids"
+        raise InvalidRequest(f"{parameter}: token ids must fit in int32", parameter=parameter)
     return ids.astype(_I32)
 
 
@@ -174,9 +173,10 @@ def compact_logprobs(result: SequenceResult, seq: Sequence, index: int) -> npt.N
     """The scored values of a full-length result, in position order: what travels."""
     n = len(seq.token_ids)
     if len(result.logprobs) != n:
+        parameter = f"results[{index}].logprobs"
         raise InternalError(
-            f"result has {len(result.logprobs)} logprobs for a sequence of {n} tokens",
-            parameter=f"results[{index}].logprobs",
+            f"{parameter}: {len(result.logprobs)} values for a sequence of {n} tokens",
+            parameter=parameter,
         )
     return np.ascontiguousarray(result.logprobs[seq.scored_mask()], dtype=np.float32)
 
@@ -184,17 +184,16 @@ def compact_logprobs(result: SequenceResult, seq: Sequence, index: int) -> npt.N
 def expand_logprobs(values: Any, seq: Sequence, index: int) -> npt.NDArray[np.float32]:
     """Put the compact scored values back in place: full length, NaN where not scored."""
     mask = seq.scored_mask()
+    parameter = f"results[{index}].logprobs"
     try:
         vals = np.asarray(values, dtype=np.float32)
     except (TypeError, ValueError) as exc:
-        raise InternalError(
-            f"logprobs are not numbers: {exc}", parameter=f"results[{index}].logprobs"
-        ) from exc
+        raise InternalError(f"{parameter}: not numbers ({exc})", parameter=parameter) from exc
     count = int(mask.sum())
     if vals.ndim != 1 or vals.shape[0] != count:
         raise InternalError(
-            f"expected {count} scored logprobs, got shape {tuple(vals.shape)}",
-            parameter=f"results[{index}].logprobs",
+            f"{parameter}: expected {count} scored values, got shape {tuple(vals.shape)}",
+            parameter=parameter,
         )
     out = np.full(mask.shape[0], np.nan, dtype=np.float32)  # [n]
     out[mask] = vals
@@ -225,8 +224,8 @@ def _from_bin(value: Any, dtype: np.dtype[Any], parameter: str, error: type[OldL
         return value
     if len(value) % dtype.itemsize:
         raise error(
-            f"binary array of {len(value)} bytes is not a whole number of {dtype.itemsize}-byte "
-            "values",
+            f"{parameter}: a binary array of {len(value)} bytes is not a whole number of "
+            f"{dtype.itemsize}-byte values",
             parameter=parameter,
         )
     return np.frombuffer(value, dtype=dtype)
@@ -238,7 +237,13 @@ def _load(body: bytes, kind: str, error: type[OldLogitError]) -> dict[str, Any]:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
         else:
             obj = json.loads(body)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
         raise error(f"body is not valid {kind}: {exc}", parameter="body") from exc
     if not isinstance(obj, dict):
         raise error(f"body must be a {kind} object", parameter="body")
@@ -317,9 +322,7 @@ def decode_response(
     obj = _load(body, kind, InternalError)
     results = obj.get("results")
     if not isinstance(results, list) or len(results) != len(req.sequences):
-        raise InternalError(
-            f"expected a list of {len(req.sequences)} results", parameter="results"
-        )
+        raise InternalError(f"expected a list of {len(req.sequences)} results", parameter="results")
     for i, (res, seq) in enumerate(zip(results, req.sequences, strict=True)):
         if not isinstance(res, dict) or "logprobs" not in res:
             raise InternalError("result without logprobs", parameter=f"results[{i}].logprobs")
@@ -367,13 +370,19 @@ _BY_STATUS: dict[int, type[OldLogitError]] = {
 
 
 def decode_error(status: int, body: bytes, headers: Mapping[str, str]) -> OldLogitError:
-    """Rebuild the typed error from an HTTP error response (the inverse of ``encode_error``)."""
+    """Rebuild the typed error from an HTTP error response (the inverse of ``encode_error``).
+
+    Also maps bodies that did not come from our handler (a proxy's 502, the framework's own
+    404/422) to the nearest class by status, so callers always get an ``OldLogitError``.
+    """
     try:
         obj = json.loads(body) if body else None
     except ValueError:
         obj = None
     err: OldLogitError
-    if isinstance(obj, dict) and isinstance(obj.get("error"), dict) and "code" in obj["error"]:
+    ours = isinstance(obj, dict) and isinstance(obj.get("error"), dict) and "code" in obj["error"]
+    if ours:
+        assert isinstance(obj, dict)
         err = error_from_payload(obj["error"])
     else:
         cls = _BY_STATUS.get(status, InternalError)
@@ -389,8 +398,13 @@ def decode_error(status: int, body: bytes, headers: Mapping[str, str]) -> OldLog
         else:
             message = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
         err = cls(message, parameter=parameter)
-    retry_after = headers.get("retry-after")
-    if isinstance(err, Overloaded) and retry_after and "retry_after_s" not in err.details:
+    retry_after = {k.lower(): v for k, v in headers.items()}.get("retry-after")
+    # The body's retry_after_s is more precise than the whole-second header: it wins when present.
+    if (
+        isinstance(err, Overloaded)
+        and retry_after
+        and not (ours and "retry_after_s" in err.details)
+    ):
         try:
             err.details["retry_after_s"] = float(retry_after)
         except ValueError:

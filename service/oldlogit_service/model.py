@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from oldlogit.errors import WeightsMismatch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.func import functional_call
-
-from oldlogit.errors import WeightsMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +152,18 @@ class ModelBackend(Protocol):
         """input_ids [B, T] int64, attention_mask [B, T] or None → final normed hidden [B, T, H]."""
         ...
 
-    def head(self, module: nn.Module, weights: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    def head(
+        self, module: nn.Module, weights: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor | None]:
         """The lm_head's weight [V, H] and bias [V] (or None), taken from ``weights``."""
         ...
+
+
+def _auto_causal_lm() -> Any:
+    # Imported lazily (transformers is slow to import) and typed Any: its from_config is untyped.
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
 
 
 @dataclass(frozen=True)
@@ -172,14 +180,14 @@ class TransformersBackend:
 
     def __init__(self, attn_implementation: str | None = None) -> None:
         self.attn_implementation = attn_implementation
-        self._layouts: weakref.WeakKeyDictionary[nn.Module, _HFLayout] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._layouts: weakref.WeakKeyDictionary[nn.Module, _HFLayout] = weakref.WeakKeyDictionary()
 
     def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        fields = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
+        fields = {
+            k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")
+        }
         if "model_type" not in config:
             raise ValueError("config.json has no 'model_type': not an HF-format model directory")
         hf_config = AutoConfig.for_model(config["model_type"], **fields)
@@ -187,7 +195,7 @@ class TransformersBackend:
         if self.attn_implementation is not None:
             kwargs["attn_implementation"] = self.attn_implementation
         with params_on_meta():
-            module: nn.Module = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            module: nn.Module = _auto_causal_lm().from_config(hf_config, **kwargs)
         # Tying is what makes lm_head.weight *the same* meta Parameter as the embedding, so the
         # canonical names (and functional_call) see one tensor.
         module.tie_weights()  # type: ignore[operator]
@@ -241,7 +249,9 @@ class TransformersBackend:
         hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden  # [B, T, H]
 
-    def head(self, module: nn.Module, weights: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    def head(
+        self, module: nn.Module, weights: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor | None]:
         layout = self._layout(module)
         bias = weights[layout.head_bias] if layout.head_bias is not None else None
         return weights[layout.head_weight], bias
@@ -283,7 +293,9 @@ class CallableBackend:
         hidden: Tensor = functional_call(module, dict(weights), (input_ids, attention_mask))
         return hidden  # [B, T, H]
 
-    def head(self, module: nn.Module, weights: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    def head(
+        self, module: nn.Module, weights: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor | None]:
         bias = weights[self.head_bias] if self.head_bias is not None else None
         return weights[self.head_weight], bias
 
@@ -309,6 +321,7 @@ class LoadedModel:
     nbytes: int  # bytes of one version's weights in the serving dtype
     aliases: dict[str, str]  # tied duplicate name → canonical name (e.g. lm_head.weight)
     buffer_names: frozenset[str]
+    attn_implementation: str | None = None  # e.g. "sdpa": part of the numerics (DESIGN §2)
 
     @property
     def dtype_name(self) -> str:
@@ -376,6 +389,7 @@ def model_from_config(
         nbytes=sum(p.numel() * p.element_size() for p in params.values()),
         aliases=aliases,
         buffer_names=frozenset(n for n, _ in module.named_buffers()),
+        attn_implementation=getattr(getattr(module, "config", None), "_attn_implementation", None),
     )
 
 
@@ -533,7 +547,7 @@ def make_tiny_model_dir(
     moves the logits. ``shards > 1`` writes HF-style shards with a
     ``model.safetensors.index.json``. Does not disturb the global RNG.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config
 
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
@@ -557,7 +571,7 @@ def make_tiny_model_dir(
     torch_dtype = dtype_from_name(dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf_model = _auto_causal_lm().from_config(config, dtype=torch.float32)
         params = dict(hf_model.named_parameters())  # canonical: a tied head appears once
         tensors: dict[str, Tensor] = {}
         for name, param in params.items():
@@ -568,6 +582,7 @@ def make_tiny_model_dir(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    config.dtype = torch_dtype  # the dtype the weights are saved in, as HF records it
     config.save_pretrained(out)  # config.json
     names = list(tensors)
     shards = max(1, min(shards, len(names)))

@@ -1,0 +1,162 @@
+"""Publish payloads: a state dict, a safetensors file or a shard directory as one stream.
+
+In: ``{name: tensor | ndarray}`` or a path; out: a ``SafetensorsStream`` that yields the bytes of
+one safetensors file in chunks (re-iterable, for retries), its size, and the weight sha256.
+Never builds the file in memory: tensors are read one at a time (off-CPU tensors copied one at a
+time), shards are read in chunks and merged by rewriting only the header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from oldlogit.errors import InvalidRequest
+from oldlogit.weights import (
+    SafetensorsHeader,
+    TensorEntry,
+    dtype_name,
+    read_entry_chunks,
+    read_safetensors_header,
+    safetensors_files,
+    safetensors_sha256,
+    tensor_raw_bytes,
+    weight_sha256,
+)
+
+__all__ = ["CHUNK_BYTES", "SafetensorsStream", "coalesce"]
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+# Reads one tensor's bytes given the open shard files (unused for in-memory tensors).
+_Reader = Callable[[Mapping[Path, BinaryIO]], Iterable[bytes | memoryview]]
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    read: _Reader
+
+
+def coalesce(pieces: Iterable[bytes | memoryview], size: int) -> Iterator[bytes]:
+    """Re-cut a stream of byte pieces into chunks of exactly ``size`` (the last may be short).
+
+    Small tensors (biases, norms) are packed together instead of each costing a message.
+    """
+    buf = bytearray()
+    for piece in pieces:
+        mv = memoryview(piece).cast("B")
+        while len(mv):
+            if not buf and len(mv) >= size:  # whole chunks straight from the source
+                yield bytes(mv[:size])
+                mv = mv[size:]
+                continue
+            take = min(size - len(buf), len(mv))
+            buf += mv[:take]
+            mv = mv[take:]
+            if len(buf) == size:
+                yield bytes(buf)
+                buf = bytearray()
+    if buf:
+        yield bytes(buf)
+
+
+class SafetensorsStream:
+    """The bytes of one safetensors file, produced lazily; iterate ``chunks()`` once per attempt."""
+
+    def __init__(
+        self,
+        tensors: list[_Tensor],
+        hasher: Callable[[], str],
+        files: list[Path] | None = None,
+    ) -> None:
+        tensors = sorted(tensors, key=lambda t: t.name)
+        header: dict[str, Any] = {}
+        offset = 0
+        for t in tensors:
+            header[t.name] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format pads the header so the data is 8-aligned
+        self.header = struct.pack("<Q", len(raw)) + raw
+        self.total_bytes = len(self.header) + offset
+        self._tensors = tensors
+        self._hasher = hasher
+        self._files = files or []
+
+    def sha256(self) -> str:
+        """The weight hash (``oldlogit.weights.weight_sha256``): reads every tensor once."""
+        return self._hasher()
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        with contextlib.ExitStack() as stack:
+            handles = {p: stack.enter_context(open(p, "rb")) for p in self._files}
+
+            def pieces() -> Iterator[bytes | memoryview]:
+                yield self.header
+                for t in self._tensors:
+                    yield from t.read(handles)
+
+            yield from coalesce(pieces(), chunk_bytes)
+
+    @classmethod
+    def from_state_dict(cls, weights: Mapping[str, Any]) -> SafetensorsStream:
+        """A ``{name: torch tensor | numpy array}``; torch is never imported unless given."""
+        if not isinstance(weights, Mapping) or not weights:
+            raise InvalidRequest(
+                "weights must be a non-empty {name: tensor} mapping", parameter="weights"
+            )
+        tensors = []
+        for name, x in weights.items():
+            if not isinstance(name, str) or not hasattr(x, "shape"):
+                raise InvalidRequest(
+                    f"weights[{name!r}] must be a tensor or array keyed by name",
+                    parameter="weights",
+                )
+            shape = tuple(int(d) for d in x.shape)
+            nbytes = int(x.nbytes) if hasattr(x, "nbytes") else int(x.numel() * x.element_size())
+
+            def read(_: Mapping[Path, BinaryIO], x: Any = x) -> list[memoryview]:
+                return [tensor_raw_bytes(x)]
+
+            tensors.append(_Tensor(name, dtype_name(x), shape, nbytes, read))
+        return cls(tensors, lambda: weight_sha256(weights))
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str]) -> SafetensorsStream:
+        """A safetensors file, or a directory of shards merged into one file."""
+        files = safetensors_files(path)
+        owner: dict[str, SafetensorsHeader] = {}
+        tensors = []
+        for f in files:
+            header = read_safetensors_header(f)
+            for name, entry in header.tensors.items():
+                if name in owner:
+                    raise InvalidRequest(
+                        f"tensor {name!r} appears in both {owner[name].path.name} and {f.name}",
+                        parameter="weights",
+                    )
+                owner[name] = header
+
+                def read(
+                    handles: Mapping[Path, BinaryIO],
+                    h: SafetensorsHeader = header,
+                    e: TensorEntry = entry,
+                ) -> Iterator[bytes]:
+                    return read_entry_chunks(handles[h.path], h, e, CHUNK_BYTES)
+
+                tensors.append(_Tensor(name, entry.dtype, entry.shape, entry.nbytes, read))
+        return cls(tensors, lambda: safetensors_sha256(path), files)

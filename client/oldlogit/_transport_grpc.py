@@ -1,0 +1,163 @@
+"""The gRPC transport: one ``grpc.aio`` channel per replica, speaking ``oldlogit.convert``.
+
+In: contract types; out: contract types, or the typed error rebuilt from the status and the
+``oldlogit-error-bin`` trailing metadata (``convert.error_from_grpc``), translated here at one
+boundary. Channel options (message sizes, keepalive) are shared with the server as constants.
+No retries here: gRPC's configurable retries stay off so ``oldlogit._retry`` is the only one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+import grpc.aio
+
+from oldlogit import convert
+from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
+from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
+from oldlogit.convert import PublishHeader
+from oldlogit.types import (
+    Info,
+    LeaseInfo,
+    LogprobsRequest,
+    LogprobsResponse,
+    PublishResult,
+    VersionInfo,
+)
+
+__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "SERVER_OPTIONS", "GrpcTransport"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Logprobs of large batches and publish chunks are far above gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Ping during calls so a dead peer (a killed replica) is noticed in ~80 s instead of the
+    # OS TCP timeout; only while calls are active, as servers refuse idle pings by default.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),  # a long forward sends no data for a while
+    ("grpc.enable_retries", 0),  # one retry mechanism: oldlogit._retry
+)
+
+# For the server (the lead's grpc.aio server): same sizes, and accept the client's pings.
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+PUBLISH_CHUNK_BYTES = 1024 * 1024  # per message: well under any server's receive limit
+
+
+class GrpcTransport:
+    """The ``oldlogit.v1.OldLogit`` service on one replica."""
+
+    def __init__(self, url: str, *, token: str | None) -> None:
+        parts = urlsplit(url)
+        self.url = url
+        port = parts.port or (443 if parts.scheme == "grpcs" else 50051)
+        target = f"{parts.hostname}:{port}"
+        if parts.scheme == "grpcs":
+            creds = grpc.ssl_channel_credentials()
+            self._channel = grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.OldLogitStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+
+    async def _call(
+        self, rpc: Callable[..., Awaitable[T]], request: Any, timeout_s: float | None
+    ) -> T:
+        try:
+            return await rpc(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise convert.error_from_grpc(
+                exc.code(), exc.details(), exc.trailing_metadata()
+            ) from exc
+
+    async def logprobs(self, req: LogprobsRequest, timeout_s: float | None) -> LogprobsResponse:
+        msg = await self._call(self._stub.Logprobs, convert.request_to_proto(req), timeout_s)
+        return convert.response_from_proto(msg, req)
+
+    async def list_versions(self, timeout_s: float | None) -> tuple[list[VersionInfo], int | None]:
+        msg = await self._call(self._stub.ListVersions, pb.ListVersionsRequest(), timeout_s)
+        return convert.versions_from_proto(msg)
+
+    async def get_version(self, policy_version: int, timeout_s: float | None) -> VersionInfo:
+        req = pb.GetVersionRequest(policy_version=policy_version)
+        return convert.from_proto(
+            await self._call(self._stub.GetVersion, req, timeout_s), VersionInfo
+        )
+
+    async def delete_version(self, policy_version: int, timeout_s: float | None) -> None:
+        req = pb.DeleteVersionRequest(policy_version=policy_version)
+        await self._call(self._stub.DeleteVersion, req, timeout_s)
+
+    async def publish(
+        self, header: PublishHeader, chunks: AsyncIterator[bytes], timeout_s: float | None
+    ) -> PublishResult:
+        async def messages() -> AsyncIterator[pb.PublishChunk]:
+            yield header.to_proto()
+            async for data in chunks:
+                # Re-slice so no message exceeds PUBLISH_CHUNK_BYTES whatever the producer yields.
+                for start in range(0, len(data), PUBLISH_CHUNK_BYTES):
+                    yield pb.PublishChunk(data=data[start : start + PUBLISH_CHUNK_BYTES])
+
+        msg = await self._call(self._stub.Publish, messages(), timeout_s)
+        return convert.from_proto(msg, PublishResult)
+
+    async def publish_by_path(
+        self, header: PublishHeader, path: str, timeout_s: float | None
+    ) -> PublishResult:
+        req = pb.PublishByPathRequest(
+            policy_version=header.policy_version,
+            path=path,
+            sha256=header.sha256,
+            delta=header.delta,
+        )
+        if header.parent is not None:
+            req.parent = header.parent
+        return convert.from_proto(
+            await self._call(self._stub.PublishByPath, req, timeout_s), PublishResult
+        )
+
+    async def set_watermark(self, policy_version: int, timeout_s: float | None) -> int:
+        req = pb.SetWatermarkRequest(policy_version=policy_version)
+        msg = await self._call(self._stub.SetWatermark, req, timeout_s)
+        return int(msg.watermark)
+
+    async def create_lease(
+        self, policy_version: int, holder: str, ttl_s: float, timeout_s: float | None
+    ) -> LeaseInfo:
+        req = pb.CreateLeaseRequest(policy_version=policy_version, holder=holder, ttl_s=ttl_s)
+        return convert.from_proto(
+            await self._call(self._stub.CreateLease, req, timeout_s), LeaseInfo
+        )
+
+    async def delete_lease(self, lease_id: str, timeout_s: float | None) -> None:
+        await self._call(
+            self._stub.DeleteLease, pb.DeleteLeaseRequest(lease_id=lease_id), timeout_s
+        )
+
+    async def info(self, timeout_s: float | None) -> Info:
+        msg = await self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout_s)
+        return convert.from_proto(msg, Info)
+
+    async def aclose(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,183 @@
+"""The HTTP transport: one ``httpx.AsyncClient`` per replica, speaking ``oldlogit.wire``.
+
+In: contract types; out: contract types, or an ``oldlogit.errors`` error rebuilt from the
+response (``wire.decode_error``). httpx failures are translated here, at one boundary:
+connection failures become ``Unavailable`` (retryable), read/write timeouts
+``DeadlineExceeded``. No retries here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel
+
+from oldlogit import wire
+from oldlogit.convert import PublishHeader
+from oldlogit.errors import DeadlineExceeded, InternalError, Unavailable
+from oldlogit.types import (
+    Info,
+    LeaseInfo,
+    LogprobsRequest,
+    LogprobsResponse,
+    PublishResult,
+    VersionInfo,
+)
+
+__all__ = ["HttpTransport"]
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class HttpTransport:
+    """``POST /v1/logprobs`` and friends on one replica (see ``oldlogit.wire`` for the bodies)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        encoding: str = wire.MSGPACK,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests inject httpx.MockTransport
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._encoding = wire.media_type(encoding)
+        headers = {"user-agent": "oldlogit-client"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=None, transport=transport
+        )
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        timeout_s: float | None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        connect = CONNECT_TIMEOUT_S if timeout_s is None else min(timeout_s, CONNECT_TIMEOUT_S)
+        timeout = httpx.Timeout(timeout_s, connect=connect)
+        try:
+            resp = await self._http.request(method, path, timeout=timeout, **kwargs)
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise Unavailable(
+                f"cannot connect to {self.url}: {type(exc).__name__}", retry_after_s=0.0
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise DeadlineExceeded(
+                f"{method} {path} on {self.url} took longer than {timeout_s}s",
+                parameter="timeout_s",
+            ) from exc
+        except httpx.TransportError as exc:  # refused, reset, DNS, protocol errors
+            raise Unavailable(
+                f"cannot reach {self.url}: {type(exc).__name__}: {exc}", retry_after_s=0.0
+            ) from exc
+        if resp.status_code >= 400:
+            raise wire.decode_error(resp.status_code, resp.content, resp.headers)
+        return resp
+
+    async def _model(
+        self, cls: type[M], method: str, path: str, timeout_s: float | None, **kwargs: Any
+    ) -> M:
+        return wire.parse_model(cls, await self._json(method, path, timeout_s, **kwargs))
+
+    async def _json(self, method: str, path: str, timeout_s: float | None, **kwargs: Any) -> Any:
+        resp = await self._send(method, path, timeout_s, **kwargs)
+        try:
+            return json.loads(resp.content)
+        except ValueError as exc:
+            raise InternalError(f"{method} {path}: the body is not JSON", parameter="body") from exc
+
+    async def logprobs(self, req: LogprobsRequest, timeout_s: float | None) -> LogprobsResponse:
+        body = wire.encode_request(req, self._encoding)
+        resp = await self._send(
+            "POST",
+            "/v1/logprobs",
+            timeout_s,
+            content=body,
+            headers={"content-type": self._encoding, "accept": self._encoding},
+        )
+        return wire.decode_response(resp.content, req, resp.headers.get("content-type"))
+
+    async def list_versions(self, timeout_s: float | None) -> tuple[list[VersionInfo], int | None]:
+        obj = await self._json("GET", "/v1/versions", timeout_s)
+        if not isinstance(obj, dict) or not isinstance(obj.get("versions"), list):
+            raise InternalError(
+                "GET /v1/versions: expected {versions, watermark}", parameter="versions"
+            )
+        versions = [wire.parse_model(VersionInfo, v) for v in obj["versions"]]
+        watermark = obj.get("watermark")
+        return versions, (None if watermark is None else int(watermark))
+
+    async def get_version(self, policy_version: int, timeout_s: float | None) -> VersionInfo:
+        return await self._model(VersionInfo, "GET", f"/v1/versions/{policy_version}", timeout_s)
+
+    async def delete_version(self, policy_version: int, timeout_s: float | None) -> None:
+        await self._send("DELETE", f"/v1/versions/{policy_version}", timeout_s)
+
+    async def publish(
+        self, header: PublishHeader, chunks: AsyncIterator[bytes], timeout_s: float | None
+    ) -> PublishResult:
+        params: dict[str, Any] = {"sha256": header.sha256, "delta": str(header.delta).lower()}
+        if header.parent is not None:
+            params["parent"] = header.parent
+        return await self._model(
+            PublishResult,
+            "PUT",
+            f"/v1/versions/{header.policy_version}",
+            timeout_s,
+            params=params,
+            content=chunks,
+            # A known length lets the server refuse an oversized upload before reading it.
+            headers={
+                "content-type": "application/octet-stream",
+                "content-length": str(header.total_bytes),
+            },
+        )
+
+    async def publish_by_path(
+        self, header: PublishHeader, path: str, timeout_s: float | None
+    ) -> PublishResult:
+        body = {
+            "policy_version": header.policy_version,
+            "path": path,
+            "sha256": header.sha256,
+            "delta": header.delta,
+            "parent": header.parent,
+        }
+        return await self._model(PublishResult, "POST", "/v1/versions", timeout_s, json=body)
+
+    async def set_watermark(self, policy_version: int, timeout_s: float | None) -> int:
+        obj = await self._json(
+            "POST", "/v1/watermark", timeout_s, json={"policy_version": policy_version}
+        )
+        return (
+            int(obj["watermark"])
+            if isinstance(obj, dict) and "watermark" in obj
+            else policy_version
+        )
+
+    async def create_lease(
+        self, policy_version: int, holder: str, ttl_s: float, timeout_s: float | None
+    ) -> LeaseInfo:
+        body = {"policy_version": policy_version, "holder": holder, "ttl_s": ttl_s}
+        return await self._model(LeaseInfo, "POST", "/v1/leases", timeout_s, json=body)
+
+    async def delete_lease(self, lease_id: str, timeout_s: float | None) -> None:
+        await self._send("DELETE", f"/v1/leases/{quote(lease_id, safe='')}", timeout_s)
+
+    async def info(self, timeout_s: float | None) -> Info:
+        return await self._model(Info, "GET", "/v1/info", timeout_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,550 @@
+"""The Python client: ``AsyncClient`` and its sync twin ``Client``, over HTTP or gRPC.
+
+In: token ids (lists, numpy or torch, duck-typed), versions and weights; out: contract types with
+numpy arrays (``SequenceResult.logprobs`` float32, full length, NaN where not scored). One code
+path: ``Client`` runs ``AsyncClient`` on a private event-loop thread. Retries and replica
+failover go through ``oldlogit._retry`` only. Never imports torch (tensors are duck-typed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+
+from pydantic import ValidationError
+
+from oldlogit import wire
+from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
+from oldlogit._transport import Transport, check_url, open_transport
+from oldlogit.convert import PublishHeader
+from oldlogit.errors import InvalidRequest, UnknownLease
+from oldlogit.types import (
+    Info,
+    LeaseInfo,
+    LogprobsRequest,
+    PublishResult,
+    Sampling,
+    Sequence,
+    SequenceResult,
+    VersionInfo,
+)
+
+__all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+DEFAULT_LEASE_TTL_S = 600.0
+
+
+def _default_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _routing_key(req: LogprobsRequest) -> int | None:
+    """The version a request is routed by (issue D hashes replicas by it)."""
+    for seq in req.sequences:
+        if seq.policy_version is not None:
+            return seq.policy_version
+        if seq.versions is not None and seq.versions.size:
+            return int(seq.versions.max())
+    return None
+
+
+class AsyncClient:
+    """Talks to one oldlogit deployment (a URL, or a list of replica URLs).
+
+    ``timeout_s`` bounds each call, retries included, and is sent to the server as the request's
+    deadline. Only ``Overloaded``/``Unavailable`` and connection failures are retried
+    (``retries`` extra rounds over the replicas, exponential backoff with jitter, at least the
+    server's ``retry_after_s``). ``http_encoding`` picks the logprobs body on HTTP.
+    """
+
+    def __init__(
+        self,
+        url_or_urls: str | Seq[str],
+        *,
+        token: str | None = None,
+        timeout_s: float | None = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        http_encoding: Literal["msgpack", "json"] = "msgpack",
+        publish_timeout_s: float | None = None,
+    ) -> None:
+        urls = [url_or_urls] if isinstance(url_or_urls, str) else list(url_or_urls)
+        if not urls:
+            raise InvalidRequest("at least one URL is needed", parameter="url")
+        for url in urls:
+            check_url(url)
+        if retries < 0:
+            raise InvalidRequest("retries must be >= 0", parameter="retries")
+        self._replicas: ReplicaSet[str] = ReplicaSet(urls)
+        self._token = token
+        self._timeout_s = timeout_s
+        self._publish_timeout_s = publish_timeout_s
+        self._policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
+        self._encoding = wire.MSGPACK if http_encoding == "msgpack" else wire.JSON
+        # Created on first use, inside the running loop (grpc.aio channels are bound to it).
+        self._transports: dict[str, Transport] = {}
+
+    @property
+    def urls(self) -> list[str]:
+        return self._replicas.replicas
+
+    def _transport(self, url: str) -> Transport:
+        transport = self._transports.get(url)
+        if transport is None:
+            transport = open_transport(url, token=self._token, http_encoding=self._encoding)
+            self._transports[url] = transport
+        return transport
+
+    async def _call(
+        self,
+        op: Callable[[Transport, float | None], Awaitable[T]],
+        *,
+        timeout_s: float | Literal["client"] | None = "client",
+        key: int | None = None,
+    ) -> T:
+        """Every operation goes through here: replica choice, retries, the deadline.
+
+        ``timeout_s`` is the whole call's budget ("client": the client's ``timeout_s``; None: none).
+        """
+        return await call_with_retries(
+            lambda url, remaining: op(self._transport(url), remaining),
+            self._replicas,
+            self._policy,
+            timeout_s=self._timeout_s if timeout_s == "client" else timeout_s,
+            key=key,
+        )
+
+    # ------------------------------------------------------------------ logprobs
+
+    async def logprobs(
+        self,
+        token_ids: Any,
+        *,
+        policy_version: int | None = None,
+        score_from: int | None = None,
+        versions: Any = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        proxy: Literal["ewma"] | None = None,
+        allow_inexact: bool = False,
+        use_cache: bool = True,
+        timeout_s: float | None = None,
+    ) -> SequenceResult:
+        """Logprobs of one sequence: ``policy_version`` (+ ``score_from``) or ``versions``.
+
+        ``token_ids``: a list, numpy array or torch tensor. The result's ``logprobs`` has
+        ``len(token_ids)`` float32 values, NaN where not scored (always position 0).
+        """
+        try:
+            seq = Sequence(
+                token_ids=token_ids,
+                policy_version=policy_version,
+                score_from=score_from,
+                versions=versions,
+            )
+        except ValidationError as exc:
+            raise _invalid(exc) from exc
+        results = await self.logprobs_batch(
+            [seq],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            proxy=proxy,
+            allow_inexact=allow_inexact,
+            use_cache=use_cache,
+            timeout_s=timeout_s,
+        )
+        return results[0]
+
+    async def logprobs_batch(
+        self,
+        sequences: Seq[Sequence],
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        proxy: Literal["ewma"] | None = None,
+        allow_inexact: bool = False,
+        use_cache: bool = True,
+        timeout_s: float | None = None,
+    ) -> list[SequenceResult]:
+        """Logprobs of many sequences in one request; results in the same order.
+
+        The sampling arguments apply to every sequence without its own ``Sequence.sampling``.
+        ``timeout_s`` overrides the client's for this call (None: the client's).
+        """
+        try:
+            req = LogprobsRequest(
+                sequences=list(sequences),
+                sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
+                proxy=proxy,
+                allow_inexact=allow_inexact,
+                use_cache=use_cache,
+            )
+        except ValidationError as exc:
+            raise _invalid(exc) from exc
+
+        async def op(t: Transport, remaining: float | None) -> list[SequenceResult]:
+            # The server gets what is left of the deadline on this attempt.
+            resp = await t.logprobs(req.model_copy(update={"timeout_s": remaining}), remaining)
+            return resp.results
+
+        return await self._call(
+            op, timeout_s="client" if timeout_s is None else timeout_s, key=_routing_key(req)
+        )
+
+    # ------------------------------------------------------------------ versions
+
+    async def versions(self) -> list[VersionInfo]:
+        """The retained versions, ascending."""
+        infos, _ = await self._call(lambda t, rem: t.list_versions(rem))
+        return infos
+
+    async def version(self, policy_version: int) -> VersionInfo:
+        return await self._call(
+            lambda t, rem: t.get_version(policy_version, rem), key=policy_version
+        )
+
+    async def delete_version(self, policy_version: int) -> None:
+        await self._call(lambda t, rem: t.delete_version(policy_version, rem), key=policy_version)
+
+    async def set_watermark(self, policy_version: int) -> int:
+        """Promise never to ask below ``policy_version``; returns the watermark in force."""
+        return await self._call(lambda t, rem: t.set_watermark(policy_version, rem))
+
+    async def info(self) -> Info:
+        return await self._call(lambda t, rem: t.info(rem))
+
+    async def publish(
+        self,
+        policy_version: int,
+        weights: Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        delta: bool = False,
+        sha256: str | None = None,
+        by_path: bool = False,
+        progress: bool = False,
+    ) -> PublishResult:
+        """Publish a version's weights: a ``{name: tensor}`` state dict, or a safetensors file
+        or shard directory (uploaded; with ``by_path=True`` the service reads the path itself).
+
+        ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``); the service
+        verifies it. ``delta=True`` is accepted, but until delta publishing lands (issue C) the
+        full weights are sent. The call's deadline is the client's ``publish_timeout_s``
+        (default: none, large uploads take what they take).
+        """
+        from oldlogit._publish import SafetensorsStream  # reads weights: not needed at import
+
+        if delta:
+            logger.info("delta publishing is not available yet: sending the full weights")
+        if by_path:
+            if isinstance(weights, Mapping):
+                raise InvalidRequest(
+                    "by_path=True needs a path, not a state dict", parameter="weights"
+                )
+            path = os.fspath(weights)
+            if sha256 is None:
+                sha256 = await asyncio.to_thread(_local_sha256, path)
+            header = PublishHeader(policy_version, sha256)
+            return await self._call(
+                lambda t, rem: t.publish_by_path(header, path, rem),
+                timeout_s=self._publish_timeout_s,
+                key=policy_version,
+            )
+        if isinstance(weights, Mapping):
+            stream = SafetensorsStream.from_state_dict(weights)
+        else:
+            stream = await asyncio.to_thread(SafetensorsStream.from_path, Path(weights))
+        if sha256 is None:
+            sha256 = await asyncio.to_thread(stream.sha256)
+        header = PublishHeader(policy_version, sha256, total_bytes=stream.total_bytes)
+        bar = _progress_bar(progress, stream.total_bytes, f"publish v{policy_version}")
+
+        async def op(t: Transport, remaining: float | None) -> PublishResult:
+            if bar is not None:
+                bar.reset(total=stream.total_bytes)  # a retry starts the upload again
+            return await t.publish(header, _in_thread(stream.chunks(), bar), remaining)
+
+        try:
+            return await self._call(op, timeout_s=self._publish_timeout_s, key=policy_version)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    # ------------------------------------------------------------------ leases
+
+    async def create_lease(
+        self, policy_version: int, *, ttl_s: float = DEFAULT_LEASE_TTL_S, holder: str | None = None
+    ) -> LeaseInfo:
+        """Pin ``policy_version`` for ``ttl_s`` seconds (or until ``release_lease``)."""
+        return await self._call(
+            lambda t, rem: t.create_lease(policy_version, holder or _default_holder(), ttl_s, rem),
+            key=policy_version,
+        )
+
+    async def release_lease(self, lease_id: str) -> None:
+        await self._call(lambda t, rem: t.delete_lease(lease_id, rem))
+
+    def lease(
+        self, policy_version: int, *, ttl_s: float = DEFAULT_LEASE_TTL_S, holder: str | None = None
+    ) -> AsyncLease:
+        """``async with client.lease(7, ttl_s=120) as info:`` pins version 7 inside the block."""
+        return AsyncLease(self, policy_version, ttl_s=ttl_s, holder=holder)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def aclose(self) -> None:
+        transports, self._transports = list(self._transports.values()), {}
+        for t in transports:
+            try:
+                await t.aclose()
+            except Exception:  # closing must not hide the caller's own exception
+                logger.debug("closing %s failed", t.url, exc_info=True)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class AsyncLease:
+    """A lease held for the duration of an ``async with`` block; released on exit."""
+
+    def __init__(
+        self, client: AsyncClient, policy_version: int, *, ttl_s: float, holder: str | None
+    ) -> None:
+        self._client = client
+        self.policy_version = policy_version
+        self.ttl_s = ttl_s
+        self.holder = holder
+        self.info: LeaseInfo | None = None
+
+    async def __aenter__(self) -> LeaseInfo:
+        self.info = await self._client.create_lease(
+            self.policy_version, ttl_s=self.ttl_s, holder=self.holder
+        )
+        return self.info
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.info is None:
+            return
+        lease_id, self.info = self.info.lease_id, None
+        try:
+            await self._client.release_lease(lease_id)
+        except UnknownLease:
+            logger.info("lease %s had already expired", lease_id)
+
+
+# ---------------------------------------------------------------------- sync twin
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread: sync calls run their coroutine there."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="oldlogit-client", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: stop the call in the loop too
+            raise
+
+    def stop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+def _sync(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """The blocking twin of an ``AsyncClient`` method (same name, signature and docs)."""
+
+    def wrapper(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._loop.run(method(self._aio, *args, **kwargs))
+
+    functools.update_wrapper(wrapper, method)
+    return wrapper
+
+
+class Client:
+    """The blocking client: the same methods as ``AsyncClient``, same arguments, same results.
+
+    ``with Client("grpc://localhost:50051") as c: r = c.logprobs(ids, policy_version=7)``
+    """
+
+    def __init__(
+        self,
+        url_or_urls: str | Seq[str],
+        *,
+        token: str | None = None,
+        timeout_s: float | None = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        http_encoding: Literal["msgpack", "json"] = "msgpack",
+        publish_timeout_s: float | None = None,
+    ) -> None:
+        self._aio = AsyncClient(
+            url_or_urls,
+            token=token,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            http_encoding=http_encoding,
+            publish_timeout_s=publish_timeout_s,
+        )
+        self._loop = _LoopThread()
+        # A client dropped without close() must not leave its thread running.
+        self._finalizer = weakref.finalize(self, self._loop.stop)
+
+    @property
+    def urls(self) -> list[str]:
+        return self._aio.urls
+
+    logprobs = _sync(AsyncClient.logprobs)
+    logprobs_batch = _sync(AsyncClient.logprobs_batch)
+    versions = _sync(AsyncClient.versions)
+    version = _sync(AsyncClient.version)
+    delete_version = _sync(AsyncClient.delete_version)
+    set_watermark = _sync(AsyncClient.set_watermark)
+    info = _sync(AsyncClient.info)
+    publish = _sync(AsyncClient.publish)
+    create_lease = _sync(AsyncClient.create_lease)
+    release_lease = _sync(AsyncClient.release_lease)
+
+    def lease(
+        self, policy_version: int, *, ttl_s: float = DEFAULT_LEASE_TTL_S, holder: str | None = None
+    ) -> Lease:
+        """``with client.lease(7, ttl_s=120) as info:`` pins version 7 inside the block."""
+        return Lease(self, self._aio.lease(policy_version, ttl_s=ttl_s, holder=holder))
+
+    def close(self) -> None:
+        if not self._finalizer.alive:
+            return
+        try:
+            self._loop.run(self._aio.aclose())
+        finally:
+            self._finalizer()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Lease:
+    """The blocking twin of ``AsyncLease``."""
+
+    def __init__(self, client: Client, inner: AsyncLease) -> None:
+        self._client = client
+        self._inner = inner
+
+    @property
+    def info(self) -> LeaseInfo | None:
+        return self._inner.info
+
+    def __enter__(self) -> LeaseInfo:
+        return self._client._loop.run(self._inner.__aenter__())
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._client._loop.run(self._inner.__aexit__(exc_type, exc, tb))
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors()[0]
+    parameter = wire.parameter_path(first["loc"])
+    return InvalidRequest(f"{parameter}: {first['msg']}", parameter=parameter)
+
+
+def _local_sha256(path: str) -> str:
+    from oldlogit.weights import safetensors_sha256
+
+    try:
+        return safetensors_sha256(path)
+    except InvalidRequest as exc:
+        raise InvalidRequest(
+            f"{exc.message} (to publish a path only the service can read, pass sha256=)",
+            parameter="weights",
+        ) from exc
+
+
+def _progress_bar(enabled: bool, total: int, desc: str) -> Any:
+    """A tqdm bar over the upload's bytes when asked for and tqdm is installed, else None."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        logger.info("progress=True needs tqdm; uploading without a progress bar")
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+
+async def _in_thread(chunks: Iterator[bytes], bar: Any) -> AsyncIterator[bytes]:
+    """Pull a blocking chunk iterator (file reads, device copies) on a worker thread."""
+    try:
+        while True:
+            chunk = await asyncio.to_thread(next, chunks, None)
+            if chunk is None:
+                return
+            if bar is not None:
+                bar.update(len(chunk))
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()

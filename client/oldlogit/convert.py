@@ -1,0 +1,335 @@
+"""Protobuf <-> contract types, and typed errors <-> gRPC status, for the server and the client.
+
+In: ``oldlogit.types`` models or ``oldlogit_pb2`` messages; out: the other side. Logprobs travel
+compactly (scored positions only, as in ``oldlogit.wire``) and are put back in place on receipt.
+Malformed requests raise ``InvalidRequest`` naming the parameter; malformed responses
+``InternalError``. No I/O here: the transports call these and do the talking.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import grpc
+import numpy as np
+from google.protobuf.message import Message
+from pydantic import BaseModel
+
+from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
+from oldlogit.errors import (
+    Conflict,
+    DeadlineExceeded,
+    Forbidden,
+    InternalError,
+    InvalidRequest,
+    LimitExceeded,
+    NotFound,
+    OldLogitError,
+    Overloaded,
+    Unauthorized,
+    Unavailable,
+    VersionEvicted,
+    error_from_payload,
+)
+from oldlogit.types import (
+    Info,
+    LeaseInfo,
+    LogprobsRequest,
+    LogprobsResponse,
+    PublishResult,
+    Sampling,
+    VersionInfo,
+)
+from oldlogit.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
+
+__all__ = [
+    "ERROR_METADATA_KEY",
+    "RETRY_AFTER_METADATA_KEY",
+    "PublishHeader",
+    "error_from_grpc",
+    "from_proto",
+    "grpc_code",
+    "grpc_trailing_metadata",
+    "request_from_proto",
+    "request_to_proto",
+    "response_from_proto",
+    "response_to_proto",
+    "to_proto",
+    "versions_from_proto",
+    "versions_to_proto",
+]
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+ERROR_METADATA_KEY = "oldlogit-error-bin"  # UTF-8 JSON of OldLogitError.to_payload()
+RETRY_AFTER_METADATA_KEY = "retry-after"  # seconds, decimal string
+
+# Flat models whose proto message has the same field names (see oldlogit.proto).
+_FLAT: dict[type[BaseModel], type[Message]] = {
+    Sampling: pb.Sampling,
+    VersionInfo: pb.VersionInfo,
+    LeaseInfo: pb.LeaseInfo,
+    Info: pb.Info,
+    PublishResult: pb.PublishResult,
+}
+
+
+# ---------------------------------------------------------------- flat messages
+
+
+def to_proto(obj: BaseModel) -> Message:
+    """A flat contract model (Sampling, VersionInfo, LeaseInfo, Info, PublishResult) as proto.
+
+    None leaves a proto3 ``optional`` field unset; lists extend repeated fields; dicts fill maps.
+    """
+    msg = _FLAT[type(obj)]()
+    for name in type(obj).model_fields:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            getattr(msg, name).update(value)
+        elif isinstance(value, list):
+            getattr(msg, name).extend(value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def _fields(msg: Message, cls: type[BaseModel]) -> dict[str, Any]:
+    """The model's fields read off a message; unset optional fields are left to the defaults."""
+    out: dict[str, Any] = {}
+    by_name = msg.DESCRIPTOR.fields_by_name
+    for name in cls.model_fields:
+        field = by_name[name]
+        if field.has_presence and not msg.HasField(name):
+            continue
+        value = getattr(msg, name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value = dict(value)
+        elif field.is_repeated:
+            value = list(value)
+        out[name] = value
+    return out
+
+
+def from_proto(msg: Message, cls: type[M]) -> M:
+    """The inverse of ``to_proto``: ``from_proto(msg, VersionInfo)``."""
+    expected = _FLAT.get(cls)
+    if expected is None or not isinstance(msg, expected):
+        raise TypeError(f"cannot convert {type(msg).__name__} to {cls.__name__}")
+    return parse_model(cls, _fields(msg, cls))
+
+
+def _sampling_to_proto(sampling: Sampling) -> pb.Sampling:
+    return cast(pb.Sampling, to_proto(sampling))
+
+
+def versions_to_proto(
+    versions: Iterable[VersionInfo], watermark: int | None
+) -> pb.ListVersionsResponse:
+    msg = pb.ListVersionsResponse()
+    for info in versions:
+        msg.versions.append(to_proto(info))  # type: ignore[arg-type]
+    if watermark is not None:
+        msg.watermark = watermark
+    return msg
+
+
+def versions_from_proto(msg: pb.ListVersionsResponse) -> tuple[list[VersionInfo], int | None]:
+    infos = [from_proto(v, VersionInfo) for v in msg.versions]
+    return infos, (msg.watermark if msg.HasField("watermark") else None)
+
+
+@dataclass(frozen=True)
+class PublishHeader:
+    """The first message of a Publish stream (the HTTP PUT carries the same as query params)."""
+
+    policy_version: int
+    sha256: str
+    delta: bool = False
+    parent: int | None = None
+    total_bytes: int = 0
+
+    def to_proto(self) -> pb.PublishChunk:
+        header = pb.PublishHeader(
+            policy_version=self.policy_version,
+            sha256=self.sha256,
+            delta=self.delta,
+            total_bytes=self.total_bytes,
+        )
+        if self.parent is not None:
+            header.parent = self.parent
+        return pb.PublishChunk(header=header)
+
+    @classmethod
+    def from_proto(cls, chunk: pb.PublishChunk) -> PublishHeader:
+        if chunk.WhichOneof("payload") != "header":
+            raise InvalidRequest(
+                "the first Publish message must carry the header", parameter="header"
+            )
+        h = chunk.header
+        return cls(
+            policy_version=h.policy_version,
+            sha256=h.sha256,
+            delta=h.delta,
+            parent=h.parent if h.HasField("parent") else None,
+            total_bytes=h.total_bytes,
+        )
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def request_to_proto(req: LogprobsRequest) -> pb.LogprobsRequest:
+    msg = pb.LogprobsRequest(allow_inexact=req.allow_inexact, use_cache=req.use_cache)
+    msg.sampling.CopyFrom(_sampling_to_proto(req.sampling))
+    if req.proxy is not None:
+        msg.proxy = req.proxy
+    if req.timeout_s is not None:
+        msg.timeout_s = req.timeout_s
+    for i, seq in enumerate(req.sequences):
+        s = msg.sequences.add()
+        s.token_ids.extend(token_ids_int32(seq, i).tolist())
+        try:
+            if seq.policy_version is not None:
+                s.policy_version = seq.policy_version
+            if seq.score_from is not None:
+                s.score_from = seq.score_from
+        except ValueError as exc:  # a Python int beyond int64
+            raise InvalidRequest(str(exc), parameter=f"sequences[{i}]") from exc
+        if seq.versions is not None:
+            s.versions.extend(seq.versions.tolist())
+        if seq.sampling is not None:
+            s.sampling.CopyFrom(_sampling_to_proto(seq.sampling))
+    return msg
+
+
+def request_from_proto(msg: pb.LogprobsRequest) -> LogprobsRequest:
+    sequences: list[dict[str, Any]] = []
+    for s in msg.sequences:
+        d: dict[str, Any] = {"token_ids": np.array(s.token_ids, dtype=np.int64)}
+        if s.HasField("policy_version"):
+            d["policy_version"] = s.policy_version
+        if s.HasField("score_from"):
+            d["score_from"] = s.score_from
+        if len(s.versions):  # per-token mode iff non-empty
+            d["versions"] = np.array(s.versions, dtype=np.int64)
+        if s.HasField("sampling"):
+            d["sampling"] = _fields(s.sampling, Sampling)
+        sequences.append(d)
+    obj: dict[str, Any] = {"sequences": sequences, "allow_inexact": msg.allow_inexact}
+    if msg.HasField("sampling"):
+        obj["sampling"] = _fields(msg.sampling, Sampling)
+    for name in ("proxy", "use_cache", "timeout_s"):
+        if msg.HasField(name):
+            obj[name] = getattr(msg, name)
+    return parse_model(LogprobsRequest, obj, error=InvalidRequest)
+
+
+def response_to_proto(resp: LogprobsResponse, req: LogprobsRequest) -> pb.LogprobsResponse:
+    """Compact: each result carries only its scored values, in position order."""
+    if len(resp.results) != len(req.sequences):
+        raise InternalError(
+            f"{len(resp.results)} results for {len(req.sequences)} sequences", parameter="results"
+        )
+    msg = pb.LogprobsResponse()
+    for i, (res, seq) in enumerate(zip(resp.results, req.sequences, strict=True)):
+        r = msg.results.add(exact=res.exact, cached=res.cached)
+        r.logprobs.extend(compact_logprobs(res, seq, i).tolist())
+        r.versions.extend(res.versions)
+        for version, sha in sorted(res.weight_sha256.items()):
+            r.weight_sha256.add(policy_version=version, sha256=sha)
+    return msg
+
+
+def response_from_proto(msg: pb.LogprobsResponse, req: LogprobsRequest) -> LogprobsResponse:
+    """Put each result's scored values back in place (NaN elsewhere)."""
+    if len(msg.results) != len(req.sequences):
+        raise InternalError(
+            f"{len(msg.results)} results for {len(req.sequences)} sequences", parameter="results"
+        )
+    results = [
+        {
+            "logprobs": expand_logprobs(np.array(r.logprobs, dtype=np.float32), seq, i),
+            "versions": list(r.versions),
+            "weight_sha256": {h.policy_version: h.sha256 for h in r.weight_sha256},
+            "exact": r.exact,
+            "cached": r.cached,
+        }
+        for i, (r, seq) in enumerate(zip(msg.results, req.sequences, strict=True))
+    ]
+    return parse_model(LogprobsResponse, {"results": results})
+
+
+# ---------------------------------------------------------------- errors
+
+
+def grpc_code(err: OldLogitError) -> grpc.StatusCode:
+    """The status code an error answers with (its class's ``grpc_status``)."""
+    code: grpc.StatusCode = getattr(grpc.StatusCode, err.grpc_status, grpc.StatusCode.UNKNOWN)
+    return code
+
+
+def grpc_trailing_metadata(err: OldLogitError) -> tuple[tuple[str, str | bytes], ...]:
+    """Trailing metadata that lets the client rebuild ``err``: pass to ``context.abort``."""
+    payload = json.dumps(err.to_payload(), default=str).encode()
+    md: list[tuple[str, str | bytes]] = [(ERROR_METADATA_KEY, payload)]
+    if isinstance(err, Overloaded):
+        md.append((RETRY_AFTER_METADATA_KEY, repr(err.retry_after_s)))
+    return tuple(md)
+
+
+# Statuses raised by gRPC itself (or a server without our metadata) -> the nearest class.
+# UNAVAILABLE/CANCELLED are connection-level (peer down, going away): safe to retry elsewhere.
+# RESOURCE_EXHAUSTED without our payload is gRPC's message-size limit: not worth retrying.
+_BY_STATUS: dict[grpc.StatusCode, type[OldLogitError]] = {
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.CANCELLED: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
+    grpc.StatusCode.PERMISSION_DENIED: Forbidden,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.OUT_OF_RANGE: VersionEvicted,
+    grpc.StatusCode.ALREADY_EXISTS: Conflict,
+    grpc.StatusCode.FAILED_PRECONDITION: Conflict,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+}
+
+
+def error_from_grpc(
+    code: grpc.StatusCode | None,
+    details: str | None,
+    trailing_metadata: Iterable[tuple[str, str | bytes]] | None,
+) -> OldLogitError:
+    """Rebuild the typed error from a failed call's status, details and trailing metadata."""
+    md = {key.lower(): value for key, value in (trailing_metadata or ())}
+    raw = md.get(ERROR_METADATA_KEY)
+    if raw is not None:
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict) and "code" in payload:
+            err = error_from_payload(payload)
+            retry_after = md.get(RETRY_AFTER_METADATA_KEY)
+            if isinstance(err, Overloaded) and "retry_after_s" not in err.details and retry_after:
+                try:
+                    err.details["retry_after_s"] = float(retry_after)
+                except ValueError:
+                    logger.debug("ignoring a non-numeric retry-after %r", retry_after)
+            return err
+    cls = _BY_STATUS.get(code, InternalError) if code is not None else InternalError
+    name = code.name if code is not None else "UNKNOWN"
+    message = f"gRPC {name}: {details or 'no details'}"
+    if cls is Unavailable:
+        # A transport failure carries no server hint: the client's backoff decides.
+        return Unavailable(message, retry_after_s=0.0)
+    return cls(message)

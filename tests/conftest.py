@@ -1,0 +1,63 @@
+"""Shared fixtures that build tiny random causal LMs (offline, seeded, cached per session).
+
+- ``tiny_model_factory(**kwargs) -> Path``: a model directory from ``make_tiny_model_dir``
+  (same kwargs → same directory).
+- ``tiny_loaded_factory(dtype="float32", device="cpu", **kwargs) -> (LoadedModel, weights)``.
+- ``tiny_model_dir`` / ``tiny_model`` / ``tiny_weights``: the default (qwen2, untied, fp32).
+torch is imported lazily so torch-free client tests stay torch-free. Never mutate the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    from oldlogit_service.model import make_tiny_model_dir
+
+    cache: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def make(**kwargs: Any) -> Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"), **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded_factory(tiny_model_factory: Callable[..., Path]) -> Callable[..., tuple[Any, Any]]:
+    from oldlogit_service.model import load_model, load_weights
+
+    cache: dict[tuple[tuple[str, Any], ...], tuple[Any, Any]] = {}
+
+    def load(*, dtype: str = "float32", device: str = "cpu", **kwargs: Any) -> tuple[Any, Any]:
+        key = (("dtype", dtype), ("device", device), *sorted(kwargs.items()))
+        if key not in cache:
+            model_dir = tiny_model_factory(**kwargs)
+            model = load_model(model_dir, dtype=dtype, device=device)
+            cache[key] = (model, load_weights(model_dir, model))
+        return cache[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_loaded_factory: Callable[..., tuple[Any, Any]]) -> Any:
+    return tiny_loaded_factory()[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_loaded_factory: Callable[..., tuple[Any, Any]]) -> Any:
+    return tiny_loaded_factory()[1]

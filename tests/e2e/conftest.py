@@ -1,0 +1,75 @@
+"""`oldlogit serve` as a user runs it: a subprocess, ports read from its output."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class CliServer:
+    proc: subprocess.Popen[str]
+    http: str  # host:port
+    grpc: str
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_cli(args: list[str], *, env: dict[str, str] | None = None,
+              timeout_s: float = 120.0) -> CliServer:
+    cmd = [sys.executable, "-m", "oldlogit_service.cli", "serve", *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=REPO)
+    lines: list[str] = []
+    found: dict[str, str] = {}
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            m = re.fullmatch(r"(http|grpc)=(\S+)", line.strip())
+            if m:
+                found[m.group(1)] = m.group(2)
+
+    threading.Thread(target=pump, daemon=True).start()
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and len(found) < 2:
+        if proc.poll() is not None:
+            time.sleep(0.2)
+            raise RuntimeError("oldlogit serve exited:\n" + "\n".join(lines[-40:]))
+        time.sleep(0.05)
+    if len(found) < 2:
+        proc.kill()
+        raise TimeoutError("no ports printed:\n" + "\n".join(lines[-40:]))
+    srv = CliServer(proc, found["http"], found["grpc"], lines)
+    # Ports are printed once both servers listen; readiness must follow at once.
+    r = httpx.get(f"http://{srv.http}/readyz", timeout=10)
+    assert r.status_code == 200
+    return srv
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
+    snap = tmp_path_factory.mktemp("demo-snapshots")
+    srv = start_cli(["--demo", "--http-port", "0", "--grpc-port", "0",
+                     "--snapshot-dir", str(snap)])
+    yield srv
+    srv.stop()

@@ -1,0 +1,130 @@
+"""The CLI: `serve --demo` on port 0, env vars, graceful SIGTERM, restart, `publish`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from oldlogit import Client
+
+from .conftest import REPO, CliServer, start_cli
+
+pytestmark = pytest.mark.e2e
+
+
+def test_demo_serves_versions_over_both_transports(demo_server: CliServer) -> None:
+    for url in (f"http://{demo_server.http}", f"grpc://{demo_server.grpc}"):
+        with Client(url) as c:
+            assert [v.policy_version for v in c.versions()] == [0, 1, 2, 3]
+            r = c.logprobs(list(range(1, 30)), policy_version=3, score_from=5)
+            assert np.isnan(r.logprobs[:5]).all() and np.isfinite(r.logprobs[5:]).all()
+    h = httpx.get(f"http://{demo_server.http}/healthz")
+    assert h.status_code == 200
+    m = httpx.get(f"http://{demo_server.http}/metrics").text
+    assert "oldlogit_requests_total" in m and "oldlogit_tier_bytes" in m
+    assert httpx.get(f"http://{demo_server.http}/docs").status_code == 200
+    page = httpx.get(f"http://{demo_server.http}/").text
+    assert "<table id=\"versions\">" in page
+
+
+def test_bad_flag_is_a_sentence_not_a_traceback() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "oldlogit_service.cli", "serve"], capture_output=True, text=True,
+        cwd=REPO, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_env_vars_and_restart_keep_versions(tmp_path: Path) -> None:
+    snap = tmp_path / "snap"
+    env = {"OLDLOGIT_DEMO": "true", "OLDLOGIT_SNAPSHOT_DIR": str(snap),
+           "OLDLOGIT_HTTP_PORT": "0", "OLDLOGIT_GRPC_PORT": "0", "OLDLOGIT_DTYPE": "float32"}
+    srv = start_cli([], env=env)
+    try:
+        with Client(f"http://{srv.http}") as c:
+            info = c.info()
+            assert info.dtype == "float32"
+            before = {v.policy_version: v.weight_sha256 for v in c.versions()}
+            r1 = c.logprobs(list(range(40)), policy_version=2).logprobs
+    finally:
+        assert srv.stop() == 0
+    srv = start_cli([], env=env)
+    try:
+        with Client(f"grpc://{srv.grpc}") as c:
+            after = {v.policy_version: v.weight_sha256 for v in c.versions()}
+            r2 = c.logprobs(list(range(40)), policy_version=2).logprobs
+    finally:
+        srv.stop()
+    assert after == before
+    assert np.array_equal(r1, r2, equal_nan=True)
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+    srv = start_cli(["--demo", "--http-port", "0", "--grpc-port", "0",
+                     "--snapshot-dir", str(tmp_path / "s"), "--max-wait-ms", "20"])
+    results: list[object] = []
+
+    def hammer() -> None:
+        with Client(f"grpc://{srv.grpc}", retries=0) as c:
+            try:
+                results.append(c.logprobs(list(range(1, 1500)), policy_version=1,
+                                          use_cache=False))
+            except Exception as exc:  # noqa: BLE001 - examined below
+                results.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    import time
+
+    time.sleep(0.5)
+    rc = srv.stop(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert rc == 0
+    # Requests accepted before SIGTERM finish; later ones are refused cleanly (never cut off).
+    assert results, "the requests returned"
+    for r in results:
+        if isinstance(r, Exception):
+            from oldlogit import OldLogitError
+
+            assert isinstance(r, OldLogitError), repr(r)
+
+
+def test_publish_command(demo_server: CliServer, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from oldlogit_service.demo import DEMO_MODEL_KWARGS
+    from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "m", **DEMO_MODEL_KWARGS)
+    import torch
+
+    model = load_model(model_dir, dtype=torch.bfloat16, device=torch.device("cpu"))
+    w = load_weights(model_dir, model)
+    assert w is not None
+    w = {k: (v.float() * 1.01).to(v.dtype).contiguous() for k, v in w.items()}
+    path = tmp_path / "v9.safetensors"
+    save_file(w, str(path))
+    out = subprocess.run(
+        [sys.executable, "-m", "oldlogit_service.cli", "publish", "--url",
+         f"http://{demo_server.http}", "--version", "9", "--weights", str(path),
+         "--no-progress"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "version 9 published" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "oldlogit_service.cli", "publish", "--url",
+         f"grpc://{demo_server.grpc}", "--version", "9", "--weights", str(path),
+         "--no-progress"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert out.returncode == 0 and "already published" in out.stdout

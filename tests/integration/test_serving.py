@@ -1,0 +1,141 @@
+"""Behaviour over both transports against real servers: answers bitwise equal to the reference."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+from oldlogit import Client, Sequence
+
+from oldlogit_service.numerics import SamplingParams
+from oldlogit_service.reference import reference_logprobs_versions
+
+from .conftest import WRITE_TOKEN, Served
+
+pytestmark = pytest.mark.integration
+
+
+def _random_case(rng: random.Random, vocab: int) -> tuple[Sequence, np.ndarray, SamplingParams]:
+    n = rng.randint(2, 160)
+    ids = [rng.randrange(vocab) for _ in range(n)]
+    if rng.random() < 0.5:
+        v = rng.randrange(4)
+        score_from = rng.randint(0, n)
+        seq = Sequence(token_ids=ids, policy_version=v, score_from=score_from)
+    else:
+        versions = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
+        seq = Sequence(token_ids=ids, versions=versions)
+    sp = SamplingParams(
+        temperature=rng.choice([1.0, 0.7, 1.3]),
+        top_k=rng.choice([0, 0, 5, 50]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
+    )
+    return seq, seq.per_token_versions(), sp
+
+
+def _reference(served: Served, seq: Sequence, versions: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    return reference_logprobs_versions(
+        served.model, served.weights, seq.token_ids, versions, sp,
+        lm_head_fp32=served.settings.lm_head_fp32,
+    )
+
+
+def test_single_sequence_matches_reference(served: Served, transport: str) -> None:
+    rng = random.Random(0)
+    ids = [rng.randrange(384) for _ in range(50)]
+    with Client(served.url(transport)) as c:
+        r = c.logprobs(ids, policy_version=2, score_from=10, temperature=0.7)
+    ref = _reference(served, Sequence(token_ids=ids, policy_version=2, score_from=10),
+                     np.array([-1] * 10 + [2] * 40), SamplingParams(temperature=0.7))
+    assert r.logprobs.dtype == np.float32 and r.logprobs.shape == (50,)
+    assert np.isnan(r.logprobs[:10]).all()
+    assert np.array_equal(r.logprobs, ref, equal_nan=True)
+    assert r.versions == [2]
+    assert r.weight_sha256 == {2: served.server.runtime.store.sha256(2)}  # type: ignore[union-attr]
+    assert r.exact is True
+
+
+def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: str) -> None:
+    """>= 32 concurrent clients, mixed versions and per-token versions, deterministic mode."""
+    n_clients, per_client = 32, 3
+    failures: list[str] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n_clients)
+
+    def worker(k: int) -> None:
+        rng = random.Random(1000 + k)
+        cases = [_random_case(rng, 384) for _ in range(per_client)]
+        try:
+            with Client(served.url(transport)) as c:
+                barrier.wait(timeout=30)
+                for seq, versions, sp in cases:
+                    r = c.logprobs_batch([seq], temperature=sp.temperature, top_k=sp.top_k,
+                                         top_p=sp.top_p)[0]
+                    ref = _reference(served, seq, versions, sp)
+                    if not np.array_equal(r.logprobs, ref, equal_nan=True):
+                        diff = np.nanmax(np.abs(r.logprobs - ref))
+                        failures.append(f"client {k}: max diff {diff}")
+                    used = sorted({int(v) for v in versions[1:] if v >= 0})
+                    if r.versions != used:
+                        failures.append(f"client {k}: versions {r.versions} != {used}")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors[:3]
+    assert not failures, failures[:5]
+
+
+def test_batch_of_sequences_and_cache(served: Served, transport: str) -> None:
+    rng = random.Random(7)
+    cases = [_random_case(rng, 384) for _ in range(12)]
+    seqs = [c[0] for c in cases]
+    with Client(served.url(transport)) as c:
+        first = c.logprobs_batch(seqs, use_cache=True)
+        second = c.logprobs_batch(seqs, use_cache=True)
+    for (seq, versions, _), a, b in zip(cases, first, second, strict=True):
+        ref = _reference(served, seq, versions, SamplingParams())
+        assert np.array_equal(a.logprobs, ref, equal_nan=True)
+        assert np.array_equal(b.logprobs, ref, equal_nan=True)
+        if a.versions:
+            assert b.cached is True
+    assert served.server.runtime.cache.stats()["hits"] > 0  # type: ignore[union-attr]
+
+
+def test_out_of_support_tokens_are_minus_inf(served: Served, transport: str) -> None:
+    ids = list(range(40))
+    with Client(served.url(transport)) as c:
+        r = c.logprobs(ids, policy_version=1, top_k=1)
+    ref = _reference(served, Sequence(token_ids=ids, policy_version=1),
+                     np.array([-1] + [1] * 39), SamplingParams(top_k=1))
+    assert np.isneginf(r.logprobs).any()
+    assert np.array_equal(r.logprobs, ref, equal_nan=True)
+
+
+def test_torch_tensor_input_accepted(served: Served, transport: str) -> None:
+    import torch
+
+    ids = torch.arange(30)
+    with Client(served.url(transport)) as c:
+        r = c.logprobs(ids, policy_version=0)
+    assert isinstance(r.logprobs, np.ndarray) and r.logprobs.shape == (30,)
+
+
+def test_versions_info_leases_watermark(served: Served, transport: str) -> None:
+    with Client(served.url(transport), token=WRITE_TOKEN) as c:
+        vs = c.versions()
+        assert [v.policy_version for v in vs][:4] == [0, 1, 2, 3]
+        info = c.info()
+        assert info.vocab_size == 384 and info.dtype == "bfloat16" and info.mode == "deterministic"
+        one = c.version(1)
+        assert one.weight_sha256 == vs[1].weight_sha256
+        with c.lease(2, ttl_s=30) as lease:
+            assert lease.policy_version == 2
+            assert c.version(2).leases >= 1
+        assert c.version(2).leases == 0

@@ -1,0 +1,241 @@
+"""The engine against the reference: bitwise in deterministic mode, whatever the batch holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from oldlogit.errors import OutOfMemory
+from oldlogit_service.engine import Engine, Job, measure_fast_mode_deviation
+from oldlogit_service.numerics import HEAD_CHUNK_ROWS, SamplingParams
+from oldlogit_service.reference import reference_logprobs
+
+# Fast-mode bounds: measured max |fast − reference| on these models was ~9e-6 (fp32) and
+# ~0.08 (bf16, temperature 0.7); the bounds leave headroom for other CPUs' kernels.
+FAST_BOUND = {"float32": 1e-4, "bfloat16": 0.25}
+
+COMBOS = [
+    (arch, tie, dtype)
+    for arch in ("qwen2", "llama")
+    for tie in (False, True)
+    for dtype in ("float32", "bfloat16")
+]
+CASES_PER_COMBO = 26  # 8 combos → 208 random batches, each with 1–4 jobs
+
+
+def _random_sampling(rng: np.random.Generator) -> SamplingParams:
+    kind = rng.integers(0, 5)
+    if kind == 0:
+        return SamplingParams()
+    return SamplingParams(
+        temperature=float(rng.choice([1.0, 0.7, 1.3, 0.05])),
+        top_k=int(rng.choice([0, 1, 5, 50, 511, 512, 1000])) if kind in (2, 4) else 0,
+        top_p=float(rng.choice([1.0, 0.9, 0.5, 0.01])) if kind in (3, 4) else 1.0,
+    )
+
+
+def _random_length(rng: np.random.Generator) -> int:
+    # Mostly short, with a tail past the production head chunk (256 rows).
+    return int(rng.integers(2, 40)) if rng.random() < 0.6 else int(rng.integers(40, 301))
+
+
+def _random_positions(rng: np.random.Generator, n: int) -> torch.Tensor:
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        pos = np.arange(1, n)  # everything
+    elif kind == 1:
+        pos = np.arange(int(rng.integers(1, n)), n)  # a score_from suffix
+    elif kind == 2:
+        pos = np.flatnonzero(rng.random(n) < 0.3)  # scattered
+        pos = pos[pos >= 1]
+    else:
+        pos = np.array([n - 1])  # only the last token
+    return torch.from_numpy(pos.astype(np.int64))
+
+
+@pytest.mark.parametrize(("arch", "tie", "dtype"), COMBOS)
+def test_deterministic_is_bitwise_reference_whatever_the_batch(
+    tiny_loaded_factory, arch, tie, dtype
+):
+    model, weights = tiny_loaded_factory(arch=arch, tie_word_embeddings=tie, dtype=dtype)
+    rng = np.random.default_rng(COMBOS.index((arch, tie, dtype)))  # reproducible per combo
+    pool: list[torch.Tensor] = []  # sequences reused across batches and inside one batch
+    checked = 0
+    for case in range(CASES_PER_COMBO):
+        lm_head_fp32 = bool(rng.integers(0, 2))
+        # The production chunk size most of the time; small ones to cross chunk edges often.
+        chunk = int(rng.choice([HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS, 32, 7]))
+        jobs = []
+        for _ in range(int(rng.integers(1, 5))):
+            if pool and rng.random() < 0.3:
+                ids = pool[int(rng.integers(0, len(pool)))]
+            else:
+                ids = torch.from_numpy(
+                    rng.integers(0, model.vocab_size, _random_length(rng)).astype(np.int64)
+                )
+                pool.append(ids)
+            jobs.append(Job(ids, _random_positions(rng, len(ids)), _random_sampling(rng)))
+        engine = Engine(model, lm_head_fp32=lm_head_fp32, head_chunk_rows=chunk)
+        outs = engine.run(weights, jobs)
+        assert len(outs) == len(jobs)
+        for job, out in zip(jobs, outs, strict=True):
+            expected = reference_logprobs(
+                model,
+                weights,
+                job.token_ids,
+                job.sampling,
+                lm_head_fp32=lm_head_fp32,
+                head_chunk_rows=chunk,
+            )[job.positions.numpy()]
+            assert out.dtype == torch.float32 and out.device.type == "cpu"
+            assert not torch.isnan(out).any()
+            assert np.array_equal(out.numpy(), expected), (case, job.sampling, chunk, lm_head_fp32)
+            checked += 1
+        # The same jobs in another composition (reversed, alone) give the same bits.
+        alone = engine.run(weights, [jobs[-1]])[0]
+        assert torch.equal(alone, outs[-1])
+        again = engine.run(weights, list(reversed(jobs)))
+        for a, b in zip(reversed(again), outs, strict=True):
+            assert torch.equal(a, b)
+    assert checked >= CASES_PER_COMBO
+
+
+def test_identical_sequences_share_one_forward(tiny_model, tiny_weights, monkeypatch):
+    calls = []
+    original = tiny_model.backend.hidden_states
+
+    def counting(module, weights, input_ids, attention_mask):
+        calls.append(tuple(input_ids.shape))
+        return original(module, weights, input_ids, attention_mask)
+
+    monkeypatch.setattr(tiny_model.backend, "hidden_states", counting)
+    a = torch.arange(2, 52, dtype=torch.int64)
+    b = torch.arange(5, 25, dtype=torch.int64)
+    jobs = [
+        Job(a, torch.tensor([1, 2, 3])),
+        Job(b, torch.tensor([19])),
+        Job(a.clone(), torch.tensor([3, 49]), SamplingParams(top_k=5)),
+    ]
+    outs = Engine(tiny_model).run(tiny_weights, jobs)
+    assert sorted(calls) == [(1, 20), (1, 50)]
+    assert torch.equal(
+        outs[0], torch.from_numpy(reference_logprobs(tiny_model, tiny_weights, a)[1:4])
+    )
+    top5 = reference_logprobs(tiny_model, tiny_weights, a, SamplingParams(top_k=5))
+    assert torch.equal(outs[2], torch.from_numpy(top5[[3, 49]]))
+
+
+def test_empty_inputs(tiny_model, tiny_weights):
+    engine = Engine(tiny_model)
+    assert engine.run(tiny_weights, []) == []
+    (out,) = engine.run(
+        tiny_weights, [Job(torch.tensor([1, 2, 3]), torch.empty(0, dtype=torch.int64))]
+    )
+    assert out.shape == (0,) and out.dtype == torch.float32
+    for mode in ("deterministic", "fast"):
+        outs = Engine(tiny_model, mode=mode).run(
+            tiny_weights,
+            [
+                Job(torch.tensor([1, 2, 3]), torch.empty(0, dtype=torch.int64)),
+                Job(torch.tensor([4, 5]), torch.tensor([1])),
+            ],
+        )
+        assert [o.shape[0] for o in outs] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("positions", "match"),
+    [
+        ([0, 1], r"\[1, 5\)"),
+        ([1, 5], r"\[1, 5\)"),
+        ([2, 1], "sorted"),
+        ([1, 1], "sorted"),
+    ],
+)
+def test_bad_positions_are_refused(tiny_model, tiny_weights, positions, match):
+    job = Job(torch.arange(5, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+    with pytest.raises(ValueError, match=match):
+        Engine(tiny_model).run(tiny_weights, [job])
+
+
+def test_bad_engine_arguments(tiny_model):
+    with pytest.raises(ValueError):
+        Engine(tiny_model, mode="sloppy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Engine(tiny_model, head_chunk_rows=0)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"),
+    ],
+)
+def test_out_of_memory_is_mapped(tiny_model, tiny_weights, monkeypatch, exc):
+    def boom(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(tiny_model.backend, "hidden_states", boom)
+    with pytest.raises(OutOfMemory) as info:
+        Engine(tiny_model).run(tiny_weights, [Job(torch.tensor([1, 2]), torch.tensor([1]))])
+    assert info.value.__cause__ is exc
+    assert info.value.http_status == 507
+
+
+def test_other_runtime_errors_pass_through(tiny_model, tiny_weights, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(tiny_model.backend, "hidden_states", boom)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        Engine(tiny_model).run(tiny_weights, [Job(torch.tensor([1, 2]), torch.tensor([1]))])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lm_head_fp32", [False, True])
+def test_fast_mode_within_measured_bound(tiny_loaded_factory, dtype, lm_head_fp32):
+    model, weights = tiny_loaded_factory(arch="llama", tie_word_embeddings=True, dtype=dtype)
+    worst = measure_fast_mode_deviation(
+        model,
+        weights,
+        num_sequences=12,
+        sampling=SamplingParams(temperature=0.7),
+        lm_head_fp32=lm_head_fp32,
+        max_batch_tokens=1200,  # several padded forwards of mixed lengths
+        seed=7,
+    )
+    assert 0.0 <= worst <= FAST_BOUND[dtype]
+
+
+def test_fast_mode_keeps_job_order_and_positions(tiny_model, tiny_weights):
+    rng = np.random.default_rng(8)
+    jobs = []
+    for n in (300, 3, 120, 3, 57):
+        ids = torch.from_numpy(rng.integers(0, tiny_model.vocab_size, n).astype(np.int64))
+        jobs.append(Job(ids, _random_positions(rng, n), SamplingParams(temperature=0.9)))
+    outs = Engine(tiny_model, mode="fast", max_batch_tokens=400).run(tiny_weights, jobs)
+    for job, out in zip(jobs, outs, strict=True):
+        ref = reference_logprobs(tiny_model, tiny_weights, job.token_ids, job.sampling)
+        assert out.shape == job.positions.shape
+        np.testing.assert_allclose(out.numpy(), ref[job.positions.numpy()], rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deterministic_is_bitwise_reference_on_cuda(tiny_loaded_factory, dtype):
+    model, weights = tiny_loaded_factory(dtype=dtype, device="cuda")
+    weights = {k: v.to(model.device) for k, v in weights.items()}
+    rng = np.random.default_rng(9)
+    for _ in range(20):
+        jobs = []
+        for _ in range(int(rng.integers(1, 4))):
+            n = _random_length(rng)
+            ids = torch.from_numpy(rng.integers(0, model.vocab_size, n).astype(np.int64))
+            jobs.append(Job(ids, _random_positions(rng, n), _random_sampling(rng)))
+        outs = Engine(model).run(weights, jobs)
+        for job, out in zip(jobs, outs, strict=True):
+            ref = reference_logprobs(model, weights, job.token_ids, job.sampling)
+            assert out.device.type == "cpu"
+            assert np.array_equal(out.numpy(), ref[job.positions.numpy()])

@@ -3,6 +3,7 @@
 Importing this package does nothing but define names: no torch, no logging set-up, no network.
 """
 
+from oldlogit.client import AsyncClient, AsyncLease, Client, Lease
 from oldlogit.errors import (
     BadSampling,
     Conflict,
@@ -43,13 +44,17 @@ from oldlogit.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClient",
+    "AsyncLease",
     "BadSampling",
+    "Client",
     "Conflict",
     "DeadlineExceeded",
     "Forbidden",
     "Info",
     "InternalError",
     "InvalidRequest",
+    "Lease",
     "LeaseInfo",
     "LimitExceeded",
     "LogprobsRequest",

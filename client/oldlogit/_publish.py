@@ -3,16 +3,19 @@
 In: ``{name: tensor | ndarray}`` or a path; out: a ``SafetensorsStream`` that yields the bytes of
 one safetensors file in chunks (re-iterable, for retries), its size, and the weight sha256.
 Never builds the file in memory: tensors are read one at a time (off-CPU tensors copied one at a
-time), shards are read in chunks and merged by rewriting only the header.
+time), shards are read in chunks and merged by rewriting only the header. Also the publish
+helpers around it: the progress bar and the async adaptor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,7 +33,15 @@ from oldlogit.weights import (
     weight_sha256,
 )
 
-__all__ = ["CHUNK_BYTES", "SafetensorsStream", "coalesce"]
+__all__ = [
+    "CHUNK_BYTES",
+    "SafetensorsStream",
+    "aiter_in_thread",
+    "coalesce",
+    "progress_bar",
+]
+
+logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -80,7 +91,8 @@ class SafetensorsStream:
         files: list[Path] | None = None,
     ) -> None:
         tensors = sorted(tensors, key=lambda t: t.name)
-        header: dict[str, Any] = {}
+        # "format": "pt" is what transformers checks before loading a safetensors file.
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for t in tensors:
             header[t.name] = {
@@ -101,7 +113,8 @@ class SafetensorsStream:
         """The weight hash (``oldlogit.weights.weight_sha256``): reads every tensor once."""
         return self._hasher()
 
-    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    def chunks(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
+        size = chunk_bytes or CHUNK_BYTES
         with contextlib.ExitStack() as stack:
             handles = {p: stack.enter_context(open(p, "rb")) for p in self._files}
 
@@ -110,7 +123,7 @@ class SafetensorsStream:
                 for t in self._tensors:
                     yield from t.read(handles)
 
-            yield from coalesce(pieces(), chunk_bytes)
+            yield from coalesce(pieces(), size)
 
     @classmethod
     def from_state_dict(cls, weights: Mapping[str, Any]) -> SafetensorsStream:
@@ -160,3 +173,31 @@ class SafetensorsStream:
 
                 tensors.append(_Tensor(name, entry.dtype, entry.shape, entry.nbytes, read))
         return cls(tensors, lambda: safetensors_sha256(path), files)
+
+
+def progress_bar(enabled: bool, total: int, desc: str) -> Any:
+    """A tqdm bar over the upload's bytes when asked for and tqdm is installed, else None."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        logger.info("progress=True needs tqdm; uploading without a progress bar")
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+
+async def aiter_in_thread(chunks: Iterator[bytes], bar: Any) -> AsyncIterator[bytes]:
+    """Pull a blocking chunk iterator (file reads, device copies) on a worker thread."""
+    try:
+        while True:
+            chunk = await asyncio.to_thread(next, chunks, None)
+            if chunk is None:
+                return
+            if bar is not None:
+                bar.update(len(chunk))
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()

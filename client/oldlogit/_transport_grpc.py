@@ -128,7 +128,7 @@ class GrpcTransport:
         req = pb.PublishByPathRequest(
             policy_version=header.policy_version,
             path=path,
-            sha256=header.sha256,
+            sha256=header.sha256 or "",
             delta=header.delta,
         )
         if header.parent is not None:

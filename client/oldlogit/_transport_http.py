@@ -46,7 +46,7 @@ class HttpTransport:
         url: str,
         *,
         token: str | None,
-        encoding: str = wire.MSGPACK,
+        encoding: str = wire.MSGPACK_TYPE,
         transport: httpx.AsyncBaseTransport | None = None,  # tests inject httpx.MockTransport
     ) -> None:
         self.url = url.rstrip("/")
@@ -128,7 +128,9 @@ class HttpTransport:
     async def publish(
         self, header: PublishHeader, chunks: AsyncIterator[bytes], timeout_s: float | None
     ) -> PublishResult:
-        params: dict[str, Any] = {"sha256": header.sha256, "delta": str(header.delta).lower()}
+        params: dict[str, Any] = {"delta": str(header.delta).lower()}
+        if header.sha256:
+            params["sha256"] = header.sha256
         if header.parent is not None:
             params["parent"] = header.parent
         return await self._model(

@@ -13,9 +13,8 @@ import functools
 import logging
 import os
 import socket
-import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +23,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 from pydantic import ValidationError
 
 from oldlogit import wire
+from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
 from oldlogit._transport import Transport, check_url, open_transport
 from oldlogit.convert import PublishHeader
@@ -69,7 +69,10 @@ class AsyncClient:
     ``timeout_s`` bounds each call, retries included, and is sent to the server as the request's
     deadline. Only ``Overloaded``/``Unavailable`` and connection failures are retried
     (``retries`` extra rounds over the replicas, exponential backoff with jitter, at least the
-    server's ``retry_after_s``). ``http_encoding`` picks the logprobs body on HTTP.
+    server's ``retry_after_s``). ``publish_timeout_s`` bounds ``publish`` (default: none).
+    ``http_encoding`` picks the logprobs body on HTTP (msgpack: compact binary arrays).
+    Connections open on first use and belong to that event loop; close with ``aclose()`` or
+    ``async with``.
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class AsyncClient:
         self._timeout_s = timeout_s
         self._publish_timeout_s = publish_timeout_s
         self._policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
-        self._encoding = wire.MSGPACK if http_encoding == "msgpack" else wire.JSON
+        self._encoding = wire.MSGPACK_TYPE if http_encoding == "msgpack" else wire.JSON_TYPE
         # Created on first use, inside the running loop (grpc.aio channels are bound to it).
         self._transports: dict[str, Transport] = {}
 
@@ -244,12 +247,15 @@ class AsyncClient:
         """Publish a version's weights: a ``{name: tensor}`` state dict, or a safetensors file
         or shard directory (uploaded; with ``by_path=True`` the service reads the path itself).
 
-        ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``); the service
-        verifies it. ``delta=True`` is accepted, but until delta publishing lands (issue C) the
-        full weights are sent. The call's deadline is the client's ``publish_timeout_s``
-        (default: none, large uploads take what they take).
+        ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``) for uploads;
+        the service verifies it. By path, the client never reads the files: without ``sha256``
+        the service computes the hash and returns it in the result. ``delta=True`` is accepted,
+        but until delta publishing lands (issue C) the full weights are sent. The call's
+        deadline is the client's ``publish_timeout_s`` (default: none, uploads take what they
+        take).
         """
-        from oldlogit._publish import SafetensorsStream  # reads weights: not needed at import
+        # Reads weights (oldlogit.weights): not needed to import the client.
+        from oldlogit._publish import SafetensorsStream, aiter_in_thread, progress_bar
 
         if delta:
             logger.info("delta publishing is not available yet: sending the full weights")
@@ -259,8 +265,6 @@ class AsyncClient:
                     "by_path=True needs a path, not a state dict", parameter="weights"
                 )
             path = os.fspath(weights)
-            if sha256 is None:
-                sha256 = await asyncio.to_thread(_local_sha256, path)
             header = PublishHeader(policy_version, sha256)
             return await self._call(
                 lambda t, rem: t.publish_by_path(header, path, rem),
@@ -274,12 +278,12 @@ class AsyncClient:
         if sha256 is None:
             sha256 = await asyncio.to_thread(stream.sha256)
         header = PublishHeader(policy_version, sha256, total_bytes=stream.total_bytes)
-        bar = _progress_bar(progress, stream.total_bytes, f"publish v{policy_version}")
+        bar = progress_bar(progress, stream.total_bytes, f"publish v{policy_version}")
 
         async def op(t: Transport, remaining: float | None) -> PublishResult:
             if bar is not None:
                 bar.reset(total=stream.total_bytes)  # a retry starts the upload again
-            return await t.publish(header, _in_thread(stream.chunks(), bar), remaining)
+            return await t.publish(header, aiter_in_thread(stream.chunks(), bar), remaining)
 
         try:
             return await self._call(op, timeout_s=self._publish_timeout_s, key=policy_version)
@@ -365,36 +369,6 @@ class AsyncLease:
 # ---------------------------------------------------------------------- sync twin
 
 
-class _LoopThread:
-    """A private event loop on a daemon thread: sync calls run their coroutine there."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="oldlogit-client", daemon=True
-        )
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("the client is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: stop the call in the loop too
-            raise
-
-    def stop(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-
 def _sync(
     method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
 ) -> Callable[Concatenate[Client, P], T]:
@@ -433,7 +407,7 @@ class Client:
             http_encoding=http_encoding,
             publish_timeout_s=publish_timeout_s,
         )
-        self._loop = _LoopThread()
+        self._loop = LoopThread()
         # A client dropped without close() must not leave its thread running.
         self._finalizer = weakref.finalize(self, self._loop.stop)
 
@@ -508,43 +482,3 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     first = exc.errors()[0]
     parameter = wire.parameter_path(first["loc"])
     return InvalidRequest(f"{parameter}: {first['msg']}", parameter=parameter)
-
-
-def _local_sha256(path: str) -> str:
-    from oldlogit.weights import safetensors_sha256
-
-    try:
-        return safetensors_sha256(path)
-    except InvalidRequest as exc:
-        raise InvalidRequest(
-            f"{exc.message} (to publish a path only the service can read, pass sha256=)",
-            parameter="weights",
-        ) from exc
-
-
-def _progress_bar(enabled: bool, total: int, desc: str) -> Any:
-    """A tqdm bar over the upload's bytes when asked for and tqdm is installed, else None."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        logger.info("progress=True needs tqdm; uploading without a progress bar")
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
-
-
-async def _in_thread(chunks: Iterator[bytes], bar: Any) -> AsyncIterator[bytes]:
-    """Pull a blocking chunk iterator (file reads, device copies) on a worker thread."""
-    try:
-        while True:
-            chunk = await asyncio.to_thread(next, chunks, None)
-            if chunk is None:
-                return
-            if bar is not None:
-                bar.update(len(chunk))
-            yield chunk
-    finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()

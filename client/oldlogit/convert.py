@@ -54,11 +54,15 @@ __all__ = [
     "from_proto",
     "grpc_code",
     "grpc_trailing_metadata",
+    "info_to_proto",
+    "lease_info_to_proto",
+    "publish_result_to_proto",
     "request_from_proto",
     "request_to_proto",
     "response_from_proto",
     "response_to_proto",
     "to_proto",
+    "version_info_to_proto",
     "versions_from_proto",
     "versions_to_proto",
 ]
@@ -127,8 +131,25 @@ def from_proto(msg: Message, cls: type[M]) -> M:
     return parse_model(cls, _fields(msg, cls))
 
 
+# Typed forms of ``to_proto`` for the servicer's return values.
 def _sampling_to_proto(sampling: Sampling) -> pb.Sampling:
     return cast(pb.Sampling, to_proto(sampling))
+
+
+def version_info_to_proto(info: VersionInfo) -> pb.VersionInfo:
+    return cast(pb.VersionInfo, to_proto(info))
+
+
+def lease_info_to_proto(lease: LeaseInfo) -> pb.LeaseInfo:
+    return cast(pb.LeaseInfo, to_proto(lease))
+
+
+def info_to_proto(info: Info) -> pb.Info:
+    return cast(pb.Info, to_proto(info))
+
+
+def publish_result_to_proto(result: PublishResult) -> pb.PublishResult:
+    return cast(pb.PublishResult, to_proto(result))
 
 
 def versions_to_proto(
@@ -136,7 +157,7 @@ def versions_to_proto(
 ) -> pb.ListVersionsResponse:
     msg = pb.ListVersionsResponse()
     for info in versions:
-        msg.versions.append(to_proto(info))  # type: ignore[arg-type]
+        msg.versions.append(version_info_to_proto(info))
     if watermark is not None:
         msg.watermark = watermark
     return msg
@@ -152,7 +173,7 @@ class PublishHeader:
     """The first message of a Publish stream (the HTTP PUT carries the same as query params)."""
 
     policy_version: int
-    sha256: str
+    sha256: str | None  # None: the service computes the hash (no end-to-end check)
     delta: bool = False
     parent: int | None = None
     total_bytes: int = 0
@@ -160,7 +181,7 @@ class PublishHeader:
     def to_proto(self) -> pb.PublishChunk:
         header = pb.PublishHeader(
             policy_version=self.policy_version,
-            sha256=self.sha256,
+            sha256=self.sha256 or "",
             delta=self.delta,
             total_bytes=self.total_bytes,
         )
@@ -177,7 +198,7 @@ class PublishHeader:
         h = chunk.header
         return cls(
             policy_version=h.policy_version,
-            sha256=h.sha256,
+            sha256=h.sha256 or None,
             delta=h.delta,
             parent=h.parent if h.HasField("parent") else None,
             total_bytes=h.total_bytes,

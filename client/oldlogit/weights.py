@@ -121,7 +121,7 @@ def dtype_name(x: Any) -> str:
         np_name = key
     if np_name in _NUMPY_NAMES:
         return _NUMPY_NAMES[np_name]
-    raise InvalidRequest(f"dtype {key} has no safetensors name", parameter="weights")
+    raise InvalidRequest(f"the weights' dtype {key} has no safetensors name", parameter="weights")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -133,7 +133,9 @@ def torch_dtype(name: str) -> torch.dtype:
             dt = getattr(torch, torch_name.removeprefix("torch."), None)
             if isinstance(dt, torch.dtype):
                 return dt
-    raise InvalidRequest(f"dtype {name!r} is not supported by torch here", parameter="weights")
+    raise InvalidRequest(
+        f"the weights' dtype {name!r} is not supported by torch here", parameter="weights"
+    )
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
@@ -144,10 +146,10 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
                 return np.dtype(np_name).newbyteorder("<")
             except TypeError as exc:
                 raise InvalidRequest(
-                    f"dtype {name!r} has no numpy equivalent (install ml_dtypes)",
+                    f"the weights' dtype {name!r} has no numpy equivalent (install ml_dtypes)",
                     parameter="weights",
                 ) from exc
-    raise InvalidRequest(f"unknown safetensors dtype {name!r}", parameter="weights")
+    raise InvalidRequest(f"the weights' dtype {name!r} is unknown", parameter="weights")
 
 
 def tensor_raw_bytes(x: Any) -> memoryview:
@@ -160,7 +162,10 @@ def tensor_raw_bytes(x: Any) -> memoryview:
         import torch
 
         if sys.byteorder != "little":  # pragma: no cover - no big-endian torch hosts in sight
-            raise InvalidRequest("torch tensors are hashed on little-endian hosts only")
+            raise InvalidRequest(
+                "the weights (torch tensors) are hashed on little-endian hosts only",
+                parameter="weights",
+            )
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -198,7 +203,7 @@ class WeightHasher:
                 f"tensor names must be fed in sorted order: {name!r} after {self._last!r}"
             )
         if dtype not in DTYPE_ITEMSIZE:
-            raise InvalidRequest(f"unknown safetensors dtype {dtype!r}", parameter="weights")
+            raise InvalidRequest(f"the weights' dtype {dtype!r} is unknown", parameter="weights")
         dims = [int(d) for d in shape]
         self._last = name
         self._expected = math.prod(dims) * DTYPE_ITEMSIZE[dtype]
@@ -252,8 +257,8 @@ def weight_sha256(weights: Mapping[str, Any], *, dtypes: Mapping[str, str] | Non
             declared = dtypes[name]
             if DTYPE_ITEMSIZE.get(declared) != DTYPE_ITEMSIZE[dt]:
                 raise InvalidRequest(
-                    f"tensor {name!r}: declared dtype {declared} does not match the item size "
-                    f"of its {dt} data",
+                    f"the weights' tensor {name!r}: declared dtype {declared} does not match "
+                    f"the item size of its {dt} data",
                     parameter="weights",
                 )
             dt = declared
@@ -315,7 +320,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
 
     def bad(why: str) -> InvalidRequest:
         return InvalidRequest(
-            f"{p.name} is not a valid safetensors file: {why}", parameter="weights"
+            f"the weights file {p.name} is not a valid safetensors file: {why}", parameter="weights"
         )
 
     try:
@@ -329,7 +334,9 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 raise bad(f"header length {header_len} is out of range")
             raw = f.read(header_len)
     except OSError as exc:
-        raise InvalidRequest(f"cannot read {p}: {exc.strerror}", parameter="weights") from exc
+        raise InvalidRequest(
+            f"cannot read the weights file {p}: {exc.strerror}", parameter="weights"
+        ) from exc
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -381,10 +388,14 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
     if p.is_dir():
         files = sorted(q for q in p.glob("*.safetensors") if q.is_file())
         if not files:
-            raise InvalidRequest(f"directory {p} holds no *.safetensors file", parameter="weights")
+            raise InvalidRequest(
+                f"the weights directory {p} holds no *.safetensors file", parameter="weights"
+            )
         return files
     if not p.is_file():
-        raise InvalidRequest(f"{p} is not a file or directory", parameter="weights")
+        raise InvalidRequest(
+            f"the weights path {p} is neither a file nor a directory", parameter="weights"
+        )
     return [p]
 
 
@@ -399,7 +410,7 @@ def read_entry_chunks(
         data = os.pread(fd, min(chunk, left), pos)
         if not data:
             raise InvalidRequest(
-                f"{header.path.name} was truncated while reading", parameter="weights"
+                f"the weights file {header.path.name} was truncated", parameter="weights"
             )
         pos += len(data)
         left -= len(data)
@@ -417,7 +428,8 @@ def safetensors_sha256(path: str | os.PathLike[str]) -> str:
         for name in h.tensors:
             if name in where:
                 raise InvalidRequest(
-                    f"tensor {name!r} appears in both {where[name].path.name} and {h.path.name}",
+                    f"the weights' tensor {name!r} appears in {where[name].path.name} and "
+                    f"{h.path.name}",
                     parameter="weights",
                 )
             where[name] = h

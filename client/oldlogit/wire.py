@@ -64,8 +64,8 @@ from oldlogit.errors import (
 from oldlogit.types import LogprobsRequest, LogprobsResponse, Sequence, SequenceResult
 
 __all__ = [
-    "JSON",
-    "MSGPACK",
+    "JSON_TYPE",
+    "MSGPACK_TYPE",
     "compact_logprobs",
     "decode_error",
     "decode_request",
@@ -84,9 +84,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-JSON = "application/json"
-MSGPACK = "application/msgpack"
-_MSGPACK_ALIASES = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+JSON_TYPE = "application/json"
+MSGPACK_TYPE = "application/msgpack"
+_MSGPACK_ALIASES = frozenset({MSGPACK_TYPE, "application/x-msgpack", "application/vnd.msgpack"})
 
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
@@ -104,21 +104,21 @@ ArrayEncoder = Callable[[npt.NDArray[Any], np.dtype[Any]], Any]
 def media_type(content_type: str | None) -> str:
     """The canonical encoding named by a Content-Type header (absent means JSON)."""
     if not content_type:
-        return JSON
+        return JSON_TYPE
     base = content_type.split(";", 1)[0].strip().lower()
     if base in _MSGPACK_ALIASES:
-        return MSGPACK
-    if base == JSON or base.endswith("+json"):
-        return JSON
+        return MSGPACK_TYPE
+    if base == JSON_TYPE or base.endswith("+json"):
+        return JSON_TYPE
     raise InvalidRequest(
-        f"unsupported content type {content_type!r}: send {JSON} or {MSGPACK}",
+        f"unsupported content type {content_type!r}: send {JSON_TYPE} or {MSGPACK_TYPE}",
         parameter="content-type",
     )
 
 
 def negotiate(accept: str | None) -> str:
     """The response encoding for an Accept header: the best-quality supported one, else JSON."""
-    best, best_q = JSON, -1.0
+    best, best_q = JSON_TYPE, -1.0
     for part in (accept or "").split(","):
         fields = [f.strip() for f in part.split(";")]
         base = fields[0].lower()
@@ -129,7 +129,9 @@ def negotiate(accept: str | None) -> str:
                     q = float(param[2:])
                 except ValueError:
                     q = 0.0
-        kind = MSGPACK if base in _MSGPACK_ALIASES else JSON if base == JSON else None
+        kind = (
+            MSGPACK_TYPE if base in _MSGPACK_ALIASES else JSON_TYPE if base == JSON_TYPE else None
+        )
         if kind is not None and q > 0 and q > best_q:
             best, best_q = kind, q
     return best
@@ -233,7 +235,7 @@ def _from_bin(value: Any, dtype: np.dtype[Any], parameter: str, error: type[OldL
 
 def _load(body: bytes, kind: str, error: type[OldLogitError]) -> dict[str, Any]:
     try:
-        if kind == MSGPACK:
+        if kind == MSGPACK_TYPE:
             obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
         else:
             obj = json.loads(body)
@@ -251,19 +253,19 @@ def _load(body: bytes, kind: str, error: type[OldLogitError]) -> dict[str, Any]:
 
 
 def _dump(obj: dict[str, Any], kind: str) -> bytes:
-    if kind == MSGPACK:
+    if kind == MSGPACK_TYPE:
         return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _encoder(kind: str) -> ArrayEncoder:
-    return _msgpack_array if kind == MSGPACK else _json_array
+    return _msgpack_array if kind == MSGPACK_TYPE else _json_array
 
 
 # ---------------------------------------------------------------- POST /v1/logprobs
 
 
-def encode_request(req: LogprobsRequest, content_type: str | None = JSON) -> bytes:
+def encode_request(req: LogprobsRequest, content_type: str | None = JSON_TYPE) -> bytes:
     """Serialise a request body in the encoding named by ``content_type``."""
     kind = media_type(content_type)
     arr = _encoder(kind)
@@ -271,7 +273,9 @@ def encode_request(req: LogprobsRequest, content_type: str | None = JSON) -> byt
     seqs = []
     for i, seq in enumerate(req.sequences):
         d = seq.model_dump(exclude={"token_ids", "versions"}, exclude_none=True)
-        d["token_ids"] = arr(token_ids_int32(seq, i) if kind == MSGPACK else seq.token_ids, _I32)
+        d["token_ids"] = arr(
+            token_ids_int32(seq, i) if kind == MSGPACK_TYPE else seq.token_ids, _I32
+        )
         if seq.versions is not None:
             d["versions"] = arr(seq.versions, _I64)
         seqs.append(d)
@@ -279,7 +283,7 @@ def encode_request(req: LogprobsRequest, content_type: str | None = JSON) -> byt
     return _dump(obj, kind)
 
 
-def decode_request(body: bytes, content_type: str | None = JSON) -> LogprobsRequest:
+def decode_request(body: bytes, content_type: str | None = JSON_TYPE) -> LogprobsRequest:
     """Parse a request body; ``InvalidRequest`` names the offending parameter."""
     kind = media_type(content_type)
     obj = _load(body, kind, InvalidRequest)
@@ -297,7 +301,7 @@ def decode_request(body: bytes, content_type: str | None = JSON) -> LogprobsRequ
 
 
 def encode_response(
-    resp: LogprobsResponse, req: LogprobsRequest, content_type: str | None = JSON
+    resp: LogprobsResponse, req: LogprobsRequest, content_type: str | None = JSON_TYPE
 ) -> bytes:
     """Serialise a response compactly: per sequence, only the scored values travel."""
     kind = media_type(content_type)
@@ -315,7 +319,7 @@ def encode_response(
 
 
 def decode_response(
-    body: bytes, req: LogprobsRequest, content_type: str | None = JSON
+    body: bytes, req: LogprobsRequest, content_type: str | None = JSON_TYPE
 ) -> LogprobsResponse:
     """Parse a response and put the scored values back in place (NaN elsewhere)."""
     kind = media_type(content_type)
@@ -344,7 +348,7 @@ def retry_after_header(err: OldLogitError) -> str | None:
 def encode_error(err: OldLogitError) -> tuple[int, bytes, dict[str, str]]:
     """(status, body, headers) of an error response on HTTP."""
     body = json.dumps({"error": err.to_payload()}, default=str).encode()
-    headers = {"content-type": JSON}
+    headers = {"content-type": JSON_TYPE}
     retry_after = retry_after_header(err)
     if retry_after is not None:
         headers["retry-after"] = retry_after

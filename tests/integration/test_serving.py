@@ -35,11 +35,17 @@ def _random_case(rng: random.Random, vocab: int) -> tuple[Sequence, np.ndarray, 
     return seq, seq.per_token_versions(), sp
 
 
+# A LoadedModel is one skeleton module that functional_call re-parametrises per call: not
+# thread-safe, so the test's reference forwards take turns (the server has its own model).
+_REFERENCE_LOCK = threading.Lock()
+
+
 def _reference(served: Served, seq: Sequence, versions: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    return reference_logprobs_versions(
-        served.model, served.weights, seq.token_ids, versions, sp,
-        lm_head_fp32=served.settings.lm_head_fp32,
-    )
+    with _REFERENCE_LOCK:
+        return reference_logprobs_versions(
+            served.model, served.weights, seq.token_ids, versions, sp,
+            lm_head_fp32=served.settings.lm_head_fp32,
+        )
 
 
 def test_single_sequence_matches_reference(served: Served, transport: str) -> None:

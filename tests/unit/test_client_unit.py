@@ -57,7 +57,9 @@ class Clock:
         self.now += seconds
 
 
-def _scripted(script: dict[str, list[Any]], log: list[tuple[str, float | None]]) -> Callable[..., Any]:
+def _scripted(
+    script: dict[str, list[Any]], log: list[tuple[str, float | None]]
+) -> Callable[..., Any]:
     """op(replica, remaining): pops the replica's next outcome (an exception or a value)."""
 
     async def op(replica: str, remaining: float | None) -> Any:
@@ -68,6 +70,10 @@ def _scripted(script: dict[str, list[Any]], log: list[tuple[str, float | None]])
         return outcome
 
     return op
+
+
+def _log() -> list[tuple[str, float | None]]:
+    return []
 
 
 def _run(op: Callable[..., Any], replicas: ReplicaSet[str], clock: Clock, **kw: Any) -> Any:
@@ -86,9 +92,12 @@ def _run(op: Callable[..., Any], replicas: ReplicaSet[str], clock: Clock, **kw: 
 
 
 def test_unavailable_fails_over_at_once_and_remembers_the_dead_replica() -> None:
-    clock, log = Clock(), []
+    clock, log = Clock(), _log()
     replicas = ReplicaSet(["a", "b"], cooldown_s=5.0, clock=clock)
-    script = {"a": [errors.Unavailable("down", retry_after_s=0.0)], "b": ["ok", "ok2"]}
+    script: dict[str, list[Any]] = {
+        "a": [errors.Unavailable("down", retry_after_s=0.0)],
+        "b": ["ok", "ok2"],
+    }
     assert _run(_scripted(script, log), replicas, clock) == "ok"
     assert [r for r, _ in log] == ["a", "b"] and clock.sleeps == []
     assert replicas.order() == ["b", "a"]  # a is cooling down
@@ -99,9 +108,12 @@ def test_unavailable_fails_over_at_once_and_remembers_the_dead_replica() -> None
 
 
 def test_overloaded_backs_off_at_least_retry_after() -> None:
-    clock, log = Clock(), []
+    clock, log = Clock(), _log()
     replicas = ReplicaSet(["a", "b"], clock=clock)
-    script = {"a": [errors.Overloaded("busy", retry_after_s=2.0), "ok"], "b": []}
+    script: dict[str, list[Any]] = {
+        "a": [errors.Overloaded("busy", retry_after_s=2.0), "ok"],
+        "b": [],
+    }
     assert _run(_scripted(script, log), replicas, clock) == "ok"
     assert [r for r, _ in log] == ["a", "a"]  # Overloaded ends the round; b is not tried
     assert clock.sleeps == [pytest.approx(2.0)]
@@ -117,17 +129,17 @@ def test_overloaded_backs_off_at_least_retry_after() -> None:
     ],
 )
 def test_other_errors_are_not_retried(err: errors.OldLogitError) -> None:
-    clock, log = Clock(), []
-    script = {"a": [err], "b": ["never"]}
+    clock, log = Clock(), _log()
+    script: dict[str, list[Any]] = {"a": [err], "b": ["never"]}
     with pytest.raises(type(err)):
         _run(_scripted(script, log), ReplicaSet(["a", "b"], clock=clock), clock)
     assert len(log) == 1 and clock.sleeps == []
 
 
 def test_gives_up_after_the_retries_with_growing_jittered_backoff() -> None:
-    clock, log = Clock(), []
+    clock, log = Clock(), _log()
     down = [errors.Unavailable("down", retry_after_s=0.0) for _ in range(10)]
-    script = {"a": list(down), "b": list(down)}
+    script: dict[str, list[Any]] = {"a": list(down), "b": list(down)}
     policy = RetryPolicy(retries=3, backoff_s=0.1, max_backoff_s=0.3)
     with pytest.raises(errors.Unavailable):
         _run(_scripted(script, log), ReplicaSet(["a", "b"], clock=clock), clock, policy=policy)
@@ -139,8 +151,8 @@ def test_gives_up_after_the_retries_with_growing_jittered_backoff() -> None:
 
 
 def test_the_deadline_bounds_retries_and_is_passed_down() -> None:
-    clock, log = Clock(), []
-    script = {"a": [errors.Overloaded("busy", retry_after_s=1.0)] * 5}
+    clock, log = Clock(), _log()
+    script: dict[str, list[Any]] = {"a": [errors.Overloaded("busy", retry_after_s=1.0)] * 5}
     with pytest.raises(errors.Overloaded):
         _run(_scripted(script, log), ReplicaSet(["a"], clock=clock), clock, timeout_s=2.5)
     assert [rem for _, rem in log] == [pytest.approx(2.5), pytest.approx(1.5), pytest.approx(0.5)]
@@ -219,7 +231,9 @@ class FakeTransport:
     ) -> PublishResult:
         self._enter("publish_by_path", (header, path))
         return PublishResult(
-            policy_version=header.policy_version, weight_sha256=header.sha256, created=True
+            policy_version=header.policy_version,
+            weight_sha256=header.sha256 or "computed",
+            created=True,
         )
 
     async def set_watermark(self, policy_version: int, timeout_s: float | None) -> int:
@@ -325,14 +339,16 @@ def test_sync_client_invalid_inputs_name_the_parameter(fakes: dict[str, FakeTran
 
 def test_sync_client_fails_over_and_retries(fakes: dict[str, FakeTransport]) -> None:
     with Client(["http://a:1", "grpc://b:2"], backoff_s=0.001) as c:
-        c.info()  # creates the transports
+        c.info()
+        assert "grpc://b:2" not in fakes  # a replica's transport is opened on first use
         fakes["http://a:1"].fail = [errors.Unavailable("down", retry_after_s=0.0)]
         assert c.version(9).policy_version == 9
-        assert [name for name, _ in fakes["grpc://b:2"].calls] == ["info", "get_version"] or (
-            fakes["grpc://b:2"].calls[-1][0] == "get_version"
-        )
+        assert fakes["grpc://b:2"].calls == [("get_version", 9)]
+        # a is cooling down, so b goes first; Overloaded backs off and retries b.
         fakes["grpc://b:2"].fail = [errors.Overloaded("busy", retry_after_s=0.01)]
         assert c.versions()[0].policy_version == 1
+        assert [n for n, _ in fakes["grpc://b:2"].calls][-2:] == ["list_versions"] * 2
+        assert [n for n, _ in fakes["http://a:1"].calls] == ["info", "get_version"]
 
 
 def test_sync_client_other_methods(fakes: dict[str, FakeTransport]) -> None:
@@ -459,7 +475,9 @@ def _write_shards(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return shard_dir, sd
 
 
-def test_publish_state_dict_file_and_shards(fakes: dict[str, FakeTransport], tmp_path: Path) -> None:
+def test_publish_state_dict_file_and_shards(
+    fakes: dict[str, FakeTransport], tmp_path: Path
+) -> None:
     shard_dir, sd = _write_shards(tmp_path)
     single = tmp_path / "single.safetensors"
     from safetensors.numpy import save_file
@@ -467,7 +485,8 @@ def test_publish_state_dict_file_and_shards(fakes: dict[str, FakeTransport], tmp
     save_file(sd, str(single))
     expected_sha = weight_sha256(sd)
     with Client("http://a:1") as c:
-        for i, weights in enumerate([sd, single, str(shard_dir)]):
+        sources: list[Any] = [sd, single, str(shard_dir)]
+        for i, weights in enumerate(sources):
             res = c.publish(i, weights, progress=True)
             assert res.weight_sha256 == expected_sha and res.policy_version == i
             header = fakes["http://a:1"].calls[-1][1][0]
@@ -484,21 +503,20 @@ def test_publish_state_dict_file_and_shards(fakes: dict[str, FakeTransport], tmp
         assert header.sha256 == "given" and not header.delta
 
 
-def test_publish_by_path_computes_the_hash_locally(
+def test_publish_by_path_never_reads_the_files(
     fakes: dict[str, FakeTransport], tmp_path: Path
 ) -> None:
-    shard_dir, sd = _write_shards(tmp_path)
+    shard_dir, _ = _write_shards(tmp_path)
     with Client("grpc://a:1") as c:
         c.publish(5, shard_dir, by_path=True)
         header, path = fakes["grpc://a:1"].calls[-1][1]
-        assert path == str(shard_dir) and header.sha256 == weight_sha256(sd)
+        assert path == str(shard_dir) and header.sha256 is None  # the service hashes
         c.publish(6, "/only/on/the/server", by_path=True, sha256="abc")
-        assert fakes["grpc://a:1"].calls[-1][1][1] == "/only/on/the/server"
+        header, path = fakes["grpc://a:1"].calls[-1][1]
+        assert path == "/only/on/the/server" and header.sha256 == "abc"
         with pytest.raises(errors.InvalidRequest) as info:
-            c.publish(7, "/only/on/the/server", by_path=True)
-        assert "sha256=" in str(info.value)
-        with pytest.raises(errors.InvalidRequest):
-            c.publish(7, sd, by_path=True)
+            c.publish(7, _state_dict(), by_path=True)
+        assert info.value.parameter == "weights"
         with pytest.raises(errors.InvalidRequest):
             c.publish(7, {})
 
@@ -521,13 +539,18 @@ def test_publish_restarts_the_stream_after_a_dropped_connection(
 # ---------------------------------------------------------------- HTTP transport (MockTransport)
 
 
-def _http(handler: Callable[[httpx.Request], Any], encoding: str = wire.MSGPACK) -> HttpTransport:
+def _http(
+    handler: Callable[[httpx.Request], Any], encoding: str = wire.MSGPACK_TYPE
+) -> HttpTransport:
     return HttpTransport(
-        "http://svc:8000/", token="s3cret", encoding=encoding, transport=httpx.MockTransport(handler)
+        "http://svc:8000/",
+        token="s3cret",
+        encoding=encoding,
+        transport=httpx.MockTransport(handler),
     )
 
 
-@pytest.mark.parametrize("encoding", [wire.MSGPACK, wire.JSON])
+@pytest.mark.parametrize("encoding", [wire.MSGPACK_TYPE, wire.JSON_TYPE])
 async def test_http_logprobs_speaks_the_wire_format(encoding: str) -> None:
     seen: dict[str, Any] = {}
 
@@ -563,7 +586,9 @@ async def test_http_errors_and_connection_failures_are_typed() -> None:
             status, body, headers = wire.encode_error(errors.Overloaded("busy", retry_after_s=2.5))
             return httpx.Response(status, content=body, headers=headers)
         if request.url.path == "/v1/versions/3":
-            err = errors.VersionEvicted("gone", parameter="policy_version", details={"retained": [5, 9]})
+            err = errors.VersionEvicted(
+                "gone", parameter="policy_version", details={"retained": [5, 9]}
+            )
             status, body, headers = wire.encode_error(err)
             return httpx.Response(status, content=body, headers=headers)
         if request.url.path == "/v1/watermark":
@@ -586,22 +611,28 @@ async def test_http_errors_and_connection_failures_are_typed() -> None:
 
 async def test_http_publish_and_management_routes() -> None:
     seen: list[tuple[str, str, dict[str, str], bytes]] = []
+    lengths: list[str | None] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
         body = await request.aread()
-        seen.append((request.method, request.url.path, dict(request.url.params), body))
+        lengths.append(request.headers.get("content-length"))
+        seen.append((request.method, request.url.raw_path.decode(), dict(request.url.params), body))
         path = request.url.path
         if path.startswith("/v1/versions") and request.method in ("PUT", "POST"):
-            v = int(path.rsplit("/", 1)[1]) if request.method == "PUT" else json.loads(body)["policy_version"]
+            v = (
+                int(path.rsplit("/", 1)[1])
+                if request.method == "PUT"
+                else json.loads(body)["policy_version"]
+            )
             sha = hashlib.sha256(body).hexdigest() if request.method == "PUT" else "p"
-            return httpx.Response(200, json={"policy_version": v, "weight_sha256": sha, "created": True})
+            return httpx.Response(
+                200, json={"policy_version": v, "weight_sha256": sha, "created": True}
+            )
         if path == "/v1/versions":
             return httpx.Response(200, json={"versions": [], "watermark": None})
         if path == "/v1/leases":
             req = json.loads(body)
-            return httpx.Response(
-                200, json={"lease_id": "a/b", "expires_at": 1.0, **req}
-            )
+            return httpx.Response(200, json={"lease_id": "a/b", "expires_at": 1.0, **req})
         if request.method == "DELETE":
             return httpx.Response(200, json={"released": path.rsplit("/", 1)[1]})
         return httpx.Response(200, json={"watermark": json.loads(body)["policy_version"]})
@@ -614,7 +645,9 @@ async def test_http_publish_and_management_routes() -> None:
 
     res = await t.publish(PublishHeader(4, "s", parent=3, total_bytes=6), chunks(), None)
     assert res.weight_sha256 == hashlib.sha256(b"abcdef").hexdigest()
-    assert seen[-1][:3] == ("PUT", "/v1/versions/4", {"sha256": "s", "delta": "false", "parent": "3"})
+    assert seen[-1][0] == "PUT" and seen[-1][1].startswith("/v1/versions/4?")
+    assert seen[-1][2] == {"sha256": "s", "delta": "false", "parent": "3"}
+    assert seen[-1][3] == b"abcdef" and lengths[-1] == "6"
     res = await t.publish_by_path(PublishHeader(5, "s"), "/data/w", None)
     assert res.policy_version == 5
     assert json.loads(seen[-1][3]) == {
@@ -658,16 +691,22 @@ class FakeServicer(pb_grpc.OldLogitServicer):
         return convert.response_to_proto(resp, req)
 
     async def GetVersion(self, request: pb.GetVersionRequest, context: Any) -> pb.VersionInfo:
-        err = errors.VersionEvicted("gone", parameter="policy_version", details={"retained": [4, 6]})
+        err = errors.VersionEvicted(
+            "gone", parameter="policy_version", details={"retained": [4, 6]}
+        )
         await context.abort(
-            convert.grpc_code(err), err.message, trailing_metadata=convert.grpc_trailing_metadata(err)
+            convert.grpc_code(err),
+            err.message,
+            trailing_metadata=convert.grpc_trailing_metadata(err),
         )
         raise AssertionError("unreachable")
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: Any) -> pb.Info:
         err = errors.Overloaded("busy", retry_after_s=0.75)
         await context.abort(
-            convert.grpc_code(err), err.message, trailing_metadata=convert.grpc_trailing_metadata(err)
+            convert.grpc_code(err),
+            err.message,
+            trailing_metadata=convert.grpc_trailing_metadata(err),
         )
         raise AssertionError("unreachable")
 
@@ -681,13 +720,15 @@ class FakeServicer(pb_grpc.OldLogitServicer):
                 data += chunk.data
         assert header is not None
         self.uploads.append((header, bytes(data)))
-        result = PublishResult(policy_version=header.policy_version, weight_sha256=header.sha256, created=True)
-        return convert.to_proto(result)  # type: ignore[return-value]
+        result = PublishResult(
+            policy_version=header.policy_version, weight_sha256=header.sha256, created=True
+        )
+        return convert.publish_result_to_proto(result)
 
 
 @pytest.fixture
 async def grpc_server() -> Any:
-    servicer = FakeServicer()
+    servicer = FakeServicer()  # type: ignore[abstract]
     server = grpc.aio.server()
     pb_grpc.add_OldLogitServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -705,7 +746,9 @@ async def test_grpc_round_trip_errors_and_publish(grpc_server: Any) -> None:
         assert ("authorization", "Bearer tok") in servicer.metadata
         with pytest.raises(errors.VersionEvicted) as gone:
             await c.version(3)
-        assert gone.value.details == {"retained": [4, 6]} and gone.value.parameter == "policy_version"
+        assert (
+            gone.value.details == {"retained": [4, 6]} and gone.value.parameter == "policy_version"
+        )
         with pytest.raises(errors.Overloaded) as busy:
             await c.info()
         assert busy.value.retry_after_s == 0.75

@@ -3,6 +3,7 @@ deletion, restart recovery, concurrency of loads."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -14,9 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from oldlogit.errors import (
     Conflict,
     InvalidRequest,
+    OutOfMemory,
     Overloaded,
     UnknownLease,
     UnknownVersion,
@@ -25,9 +29,8 @@ from oldlogit.errors import (
     VersionNotIncreasing,
     WeightsMismatch,
 )
-from oldlogit.weights import weight_sha256
+from oldlogit.weights import read_safetensors_header, weight_sha256
 from oldlogit_service.snapshots import SnapshotStore, ingest, persist
-from safetensors.torch import save_file
 
 SPECS: dict[str, tuple[str, tuple[int, ...]]] = {
     "embed.weight": ("BF16", (16, 8)),
@@ -122,7 +125,9 @@ def test_publish_from_file_dir_and_move(store: SnapshotStore, tmp_path: Path) ->
     shards.mkdir()
     sd = make_sd(2)
     save_file({k: sd[k] for k in ("embed.weight", "step")}, str(shards / "model-1.safetensors"))
-    save_file({k: sd[k] for k in ("layers.0.w", "layers.0.b", "odd")}, str(shards / "m-2.safetensors"))
+    save_file(
+        {k: sd[k] for k in ("layers.0.w", "layers.0.b", "odd")}, str(shards / "m-2.safetensors")
+    )
     assert store.publish(2, shards).created
     up = store.staging_dir / "upload.part"
     save_file(make_sd(3), str(up))
@@ -296,9 +301,8 @@ def test_watermark_and_leases(tmp_path: Path) -> None:
         s.set_watermark(4)
         clock.t += 6  # the lease expires: its version goes on the next operation
         assert [r.version for r in s.versions()] == [4]
-        with pytest.raises(VersionEvicted) as ei:
-            with s.acquire(3):
-                pass
+        with pytest.raises(VersionEvicted) as ei, s.acquire(3):
+            pass
         assert ei.value.details == {"retained": [4, 4]}
         s.set_watermark(10)  # above everything: the trainer needs none of it
         assert s.versions() == [] and s.retained_range() is None
@@ -360,9 +364,8 @@ def test_pinned_overflow_is_bounded(tmp_path: Path) -> None:
             s.publish(v, make_sd(v))
         with s.acquire(0), s.acquire(1):  # budget + one: allowed
             assert s.stats()["tiers"]["device"]["bytes"] == 2 * SNAP
-            with pytest.raises(Overloaded):  # budget + two would break the bound
-                with s.acquire(2):
-                    pass
+            with pytest.raises(Overloaded), s.acquire(2):  # budget + two would break the bound
+                pass
         assert s.stats()["tiers"]["device"]["bytes"] <= SNAP  # eviction caught up
         assert_served(s, 2)
 
@@ -433,8 +436,11 @@ def test_restart_recovers_everything(tmp_path: Path) -> None:
             with pytest.raises(VersionEvicted):
                 s.info(gone)
         assert [r.lease_id for r in s.leases()] == [lease.lease_id]
-        with pytest.raises(VersionNotIncreasing):
+        with pytest.raises(VersionConflict):
             s.publish(5, make_sd(6))
+        assert not s.publish(5, make_sd(5)).created
+        with pytest.raises(VersionNotIncreasing):
+            s.publish(4, make_sd(4))
         s.release(lease.lease_id)
         assert [r.version for r in s.versions()] == [3, 5]
 
@@ -461,14 +467,12 @@ def test_restart_clears_orphans_and_quarantines_corruption(tmp_path: Path) -> No
         assert not list((root / "incoming").iterdir())
         assert not [x for x in os.listdir(root) if x.startswith(".tmp-")]
         assert_served(s, 0)
-        with pytest.raises(VersionEvicted):
-            with s.acquire(1):
-                pass
+        with pytest.raises(VersionEvicted), s.acquire(1):
+            pass
         assert (root / "quarantine" / victim).exists()
         assert [r.version for r in s.versions()] == [0]
-    with open_store(root) as s:  # the loss is durable
-        with pytest.raises(VersionEvicted):
-            s.info(1)
+    with open_store(root) as s, pytest.raises(VersionEvicted):  # the loss is durable
+        s.info(1)
 
 
 def test_other_model_refused(tmp_path: Path) -> None:
@@ -484,9 +488,7 @@ def test_other_model_refused(tmp_path: Path) -> None:
         assert_served(s, 0)
 
 
-def test_crash_between_file_and_registry(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_crash_between_file_and_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "s"
     s = open_store(root)
     s.publish(0, make_sd(0))
@@ -506,3 +508,155 @@ def test_crash_between_file_and_registry(
         assert [r.version for r in s2.versions()] == [0]
         assert len(weight_files(s2)) == 1
         assert s2.publish(1, make_sd(1)).created
+
+
+def _name_ordered_file(path: Path, sd: dict[str, torch.Tensor]) -> Path:
+    """A safetensors file laid out in name order, as a streaming client may write it."""
+    header: dict[str, Any] = {}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in sorted(sd):
+        t = sd[name].contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        dtype = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}[t.dtype]
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        chunks.append(raw)
+        offset += len(raw)
+    hj = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(hj)) + hj + b"".join(chunks))
+    return path
+
+
+def test_misaligned_upload_is_rewritten_aligned(store: SnapshotStore) -> None:
+    up = _name_ordered_file(store.staging_dir / "u.part", make_sd(0))
+    header = read_safetensors_header(up)
+    assert not persist.aligned(header)  # "step" (I64) follows the 6-byte "odd"
+    buf, _ = persist.read_keyframe(up, pin=False, expect_sha256=weight_sha256(make_sd(0)))
+    views = persist.tensor_views(buf, header.tensors.values())  # the copy fallback
+    assert all(bits_equal(views[k], v) for k, v in make_sd(0).items())
+    assert store.publish_file(0, up, move=True).created
+    assert up.exists()  # rewritten, not moved: the caller removes its upload
+    (stored,) = weight_files(store)
+    assert persist.aligned(read_safetensors_header(Path(store._root) / "weights" / stored))
+    assert_served(store, 0)
+
+
+def _host_tier_flow(s: SnapshotStore, device_type: str) -> None:
+    for v in range(4):
+        s.publish(v, make_sd(v))
+
+    def tiers(v: int) -> set[str]:
+        return set(s.info(v).tiers)
+
+    def served(v: int) -> None:
+        with s.acquire(v) as w:
+            ref = make_sd(v)
+            for k in ref:
+                assert w[k].device.type == device_type
+                assert bits_equal(w[k].cpu(), ref[k]), k
+
+    served(0)
+    assert tiers(0) == {"device", "host", "disk"}
+    served(1)  # device budget: one version; host budget: two
+    assert tiers(0) == {"host", "disk"} and tiers(1) == {"device", "host", "disk"}
+    served(0)  # back from the host tier, no disk read
+    st = s.stats()
+    assert (st["loads_disk"], st["loads_host"]) == (2, 1)
+    served(2)  # the host tier evicts its least recently used copy (1)
+    assert tiers(1) == {"disk"} and tiers(0) == {"host", "disk"}
+    st = s.stats()
+    assert st["tiers"]["host"]["bytes"] <= 2 * SNAP and st["tiers"]["host"]["evictions"] == 1
+    assert st["tiers"]["device"]["peak_bytes"] <= 2 * SNAP
+
+
+def test_host_tier_logic_simulated_on_cpu(tmp_path: Path) -> None:
+    # The host tier exists in front of a GPU only; its bookkeeping is the same on any device,
+    # so enable it here to test it where no GPU is (the gpu test below runs the real thing).
+    with open_store(tmp_path / "s", device_budget_bytes=SNAP) as s:
+        s._host_enabled = True
+        s._host_tier.budget = 2 * SNAP
+        _host_tier_flow(s, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_on_gpu(tmp_path: Path) -> None:
+    with open_store(
+        tmp_path / "s", device="cuda", device_budget_bytes=SNAP, host_budget_bytes=2 * SNAP
+    ) as s:
+        _host_tier_flow(s, "cuda")
+        entry = s._entries[0]
+        assert entry.host is not None and entry.host.buffer is not None
+        assert entry.host.buffer.is_pinned()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_racing_publishes_of_one_version(store: SnapshotStore, same: bool) -> None:
+    results: list[object] = []
+    barrier = threading.Barrier(4)
+
+    def go(i: int) -> None:
+        barrier.wait()
+        try:
+            results.append(store.publish(1, make_sd(1 if same or i == 0 else 100 + i)))
+        except VersionConflict as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    created = [r for r in results if getattr(r, "created", False)]
+    assert len(created) == 1 and len(results) == 4
+    if same:
+        assert all(getattr(r, "sha256", None) == created[0].sha256 for r in results)  # type: ignore[attr-defined]
+    else:
+        assert sum(isinstance(r, VersionConflict) for r in results) == 3
+    assert len(weight_files(store)) == 1  # the losers left no file behind
+    winner = store.sha256(1)
+    with store.acquire(1) as w:
+        assert weight_sha256(dict(w)) == winner
+
+
+def test_full_disk_is_out_of_memory(store: SnapshotStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist, "_pwrite_all", full)
+    with pytest.raises(OutOfMemory) as ei:
+        store.publish(0, make_sd(0))
+    assert ei.value.parameter == "weights"
+    monkeypatch.undo()
+    assert weight_files(store) == [] and store.newest is None
+    assert store.publish(0, make_sd(0)).created
+
+
+def test_every_error_names_its_parameter(store: SnapshotStore, tmp_path: Path) -> None:
+    store.publish(2, make_sd(2))
+    lease = store.lease(2, "w", 60)
+    bad_file = _forged_file(tmp_path / "bad.safetensors", [2, 4])
+    calls: list[Callable[[], object]] = [
+        lambda: store.publish(1, make_sd(1)),  # not increasing
+        lambda: store.publish(2, make_sd(3)),  # conflict
+        lambda: store.publish(3, make_sd(3), expected_sha256="0" * 64),
+        lambda: store.publish(3, {**make_sd(3), "layers.0.b": torch.zeros(2)}),
+        lambda: store.publish_file(3, bad_file),
+        lambda: store.publish_file(3, tmp_path / "missing.safetensors"),
+        lambda: store.info(99),
+        lambda: store.lease(2, "w", -1),
+        lambda: store.release("nope"),
+        lambda: store.delete(2),  # leased
+        lambda: store.set_watermark(-3),
+    ]
+    for call in calls:
+        with pytest.raises(Exception) as ei:
+            call()
+        err = ei.value
+        assert getattr(err, "parameter", None), repr(err)
+        assert err.parameter in err.message, (err.parameter, err.message)  # type: ignore[attr-defined]
+    store.release(lease.lease_id)

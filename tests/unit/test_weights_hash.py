@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from oldlogit.errors import InvalidRequest
 from oldlogit.weights import (
     WeightHasher,
@@ -21,7 +23,6 @@ from oldlogit.weights import (
     torch_dtype,
     weight_sha256,
 )
-from safetensors.torch import save_file
 
 
 def _reference(entries: list[tuple[str, str, tuple[int, ...], bytes]]) -> str:

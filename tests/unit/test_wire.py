@@ -29,7 +29,7 @@ from oldlogit.types import (
     VersionInfo,
 )
 
-ENCODINGS = [wire.JSON, wire.MSGPACK]
+ENCODINGS = [wire.JSON_TYPE, wire.MSGPACK_TYPE]
 SHA = {7: "a" * 64, 8: "b" * 64}
 
 
@@ -38,7 +38,9 @@ def _request() -> LogprobsRequest:
         sequences=[
             Sequence(token_ids=[5, 6, 7, 8, 9], policy_version=7, score_from=3),
             Sequence(token_ids=[1, 2, 3, 4], versions=[-1, 7, -1, 8]),
-            Sequence(token_ids=[3, 4], policy_version=7, sampling=Sampling(temperature=0.5, top_k=3)),
+            Sequence(
+                token_ids=[3, 4], policy_version=7, sampling=Sampling(temperature=0.5, top_k=3)
+            ),
             Sequence(token_ids=[9, 9, 9]),  # nothing scored
             Sequence(token_ids=[], policy_version=7),
             Sequence(token_ids=[2**31 - 1, 0], policy_version=2**40),
@@ -133,7 +135,7 @@ def test_json_shapes_are_the_documented_ones() -> None:
             Sequence(token_ids=[1, 2, 3], versions=[-1, 7, 8]),
         ]
     )
-    obj = json.loads(wire.encode_request(req, wire.JSON))
+    obj = json.loads(wire.encode_request(req, wire.JSON_TYPE))
     assert obj["sequences"][0] == {"token_ids": [1, 2, 3], "policy_version": 7, "score_from": 1}
     assert obj["sequences"][1] == {"token_ids": [1, 2, 3], "versions": [-1, 7, 8]}
     assert obj["sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -154,7 +156,7 @@ def test_json_shapes_are_the_documented_ones() -> None:
             ),
         ]
     )
-    out = json.loads(wire.encode_response(resp, req, wire.JSON))
+    out = json.loads(wire.encode_response(resp, req, wire.JSON_TYPE))
     assert out == {
         "results": [
             {
@@ -177,7 +179,7 @@ def test_json_shapes_are_the_documented_ones() -> None:
 
 def test_msgpack_arrays_are_little_endian_bins() -> None:
     req = LogprobsRequest(sequences=[Sequence(token_ids=[1, 2, 300], versions=[-1, 7, 8])])
-    obj = msgpack.unpackb(wire.encode_request(req, wire.MSGPACK))
+    obj = msgpack.unpackb(wire.encode_request(req, wire.MSGPACK_TYPE))
     seq = obj["sequences"][0]
     assert seq["token_ids"] == np.array([1, 2, 300], "<i4").tobytes()
     assert seq["versions"] == np.array([-1, 7, 8], "<i8").tobytes()
@@ -190,7 +192,7 @@ def test_msgpack_arrays_are_little_endian_bins() -> None:
             )
         ]
     )
-    out = msgpack.unpackb(wire.encode_response(resp, req, wire.MSGPACK))
+    out = msgpack.unpackb(wire.encode_response(resp, req, wire.MSGPACK_TYPE))
     assert out["results"][0]["logprobs"] == np.array([-np.inf, -0.25], "<f4").tobytes()
     assert out["results"][0]["weight_sha256"] == {"7": "x", "8": "y"}
 
@@ -202,7 +204,7 @@ def test_msgpack_decoders_accept_plain_arrays() -> None:
     resp_body = msgpack.packb(
         {"results": [{"logprobs": [-1.0, -2.0], "versions": [4], "weight_sha256": {4: "h"}}]}
     )
-    resp = wire.decode_response(resp_body, req, wire.MSGPACK)
+    resp = wire.decode_response(resp_body, req, wire.MSGPACK_TYPE)
     assert resp.results[0].weight_sha256 == {4: "h"}
     np.testing.assert_array_equal(resp.results[0].logprobs, [np.nan, -1.0, -2.0])
 
@@ -210,7 +212,7 @@ def test_msgpack_decoders_accept_plain_arrays() -> None:
 def test_json_decoders_accept_other_infinity_spellings() -> None:
     req = LogprobsRequest(sequences=[Sequence(token_ids=[1, 2, 3], policy_version=1)])
     body = b'{"results":[{"logprobs":[-Infinity,"-inf"],"versions":[1],"weight_sha256":{"1":"h"}}]}'
-    resp = wire.decode_response(body, req, wire.JSON)
+    resp = wire.decode_response(body, req, wire.JSON_TYPE)
     assert np.isneginf(resp.results[0].logprobs[1:]).all()
 
 
@@ -233,10 +235,13 @@ def test_round_trip_is_bitwise_for_any_scored_set(
     mask = seq.scored_mask()
     full[mask] = np.array(values[: int(mask.sum())], dtype=np.float32)
     resp = LogprobsResponse(results=[SequenceResult(logprobs=full, versions=[], weight_sha256={})])
-    _assert_responses_equal(resp, wire.decode_response(wire.encode_response(resp, req, ct), req, ct))
+    _assert_responses_equal(
+        resp, wire.decode_response(wire.encode_response(resp, req, ct), req, ct)
+    )
     msg = convert.response_to_proto(resp, req)
     _assert_responses_equal(
-        resp, convert.response_from_proto(pb.LogprobsResponse.FromString(msg.SerializeToString()), req)
+        resp,
+        convert.response_from_proto(pb.LogprobsResponse.FromString(msg.SerializeToString()), req),
     )
 
 
@@ -246,31 +251,43 @@ def test_round_trip_is_bitwise_for_any_scored_set(
 @pytest.mark.parametrize(
     ("body", "ct", "parameter"),
     [
-        (b"{not json", wire.JSON, "body"),
-        (b"[1, 2]", wire.JSON, "body"),
-        (b"\xc1", wire.MSGPACK, "body"),
-        (msgpack.packb([1]), wire.MSGPACK, "body"),
-        (b'{"sequences": [{"token_ids": "abc"}]}', wire.JSON, "sequences[0].token_ids"),
-        (b'{"sequences": [{"token_ids": [1, 2.5]}]}', wire.JSON, "sequences[0].token_ids"),
-        (b'{"sequences": [{"token_ids": [[1], [2]]}]}', wire.JSON, "sequences[0].token_ids"),
+        (b"{not json", wire.JSON_TYPE, "body"),
+        (b"[1, 2]", wire.JSON_TYPE, "body"),
+        (b"\xc1", wire.MSGPACK_TYPE, "body"),
+        (msgpack.packb([1]), wire.MSGPACK_TYPE, "body"),
+        (b'{"sequences": [{"token_ids": "abc"}]}', wire.JSON_TYPE, "sequences[0].token_ids"),
+        (b'{"sequences": [{"token_ids": [1, 2.5]}]}', wire.JSON_TYPE, "sequences[0].token_ids"),
+        (b'{"sequences": [{"token_ids": [[1], [2]]}]}', wire.JSON_TYPE, "sequences[0].token_ids"),
         (
             b'{"sequences": [{"token_ids": [1]}, {"token_ids": [1], "versions": "x"}]}',
-            wire.JSON,
+            wire.JSON_TYPE,
             "sequences[1].versions",
         ),
-        (b'{"sequences": [{"token_ids": [1], "colour": 1}]}', wire.JSON, "sequences[0].colour"),
-        (b'{"sequences": [{"token_ids": [1], "policy_version": "x"}]}', wire.JSON, "sequences[0].policy_version"),
-        (b'{"sequences": [], "proxy": "magic"}', wire.JSON, "proxy"),
-        (b'{"sequences": [], "sampling": {"temperature": "hot"}}', wire.JSON, "sampling.temperature"),
-        (b"{}", wire.JSON, "sequences"),
+        (
+            b'{"sequences": [{"token_ids": [1], "colour": 1}]}',
+            wire.JSON_TYPE,
+            "sequences[0].colour",
+        ),
+        (
+            b'{"sequences": [{"token_ids": [1], "policy_version": "x"}]}',
+            wire.JSON_TYPE,
+            "sequences[0].policy_version",
+        ),
+        (b'{"sequences": [], "proxy": "magic"}', wire.JSON_TYPE, "proxy"),
+        (
+            b'{"sequences": [], "sampling": {"temperature": "hot"}}',
+            wire.JSON_TYPE,
+            "sampling.temperature",
+        ),
+        (b"{}", wire.JSON_TYPE, "sequences"),
         (
             msgpack.packb({"sequences": [{"token_ids": b"\x01\x02\x03"}]}),
-            wire.MSGPACK,
+            wire.MSGPACK_TYPE,
             "sequences[0].token_ids",
         ),
         (
             msgpack.packb({"sequences": [{"token_ids": b"", "versions": b"\x00" * 9}]}),
-            wire.MSGPACK,
+            wire.MSGPACK_TYPE,
             "sequences[0].versions",
         ),
     ],
@@ -291,7 +308,7 @@ def test_unsupported_content_type_is_invalid() -> None:
 def test_token_ids_beyond_int32_are_refused_on_binary_wires() -> None:
     req = LogprobsRequest(sequences=[Sequence(token_ids=[1, 2**31], policy_version=1)])
     with pytest.raises(errors.InvalidRequest) as info:
-        wire.encode_request(req, wire.MSGPACK)
+        wire.encode_request(req, wire.MSGPACK_TYPE)
     assert info.value.parameter == "sequences[0].token_ids"
     with pytest.raises(errors.InvalidRequest):
         convert.request_to_proto(req)
@@ -300,10 +317,10 @@ def test_token_ids_beyond_int32_are_refused_on_binary_wires() -> None:
 @pytest.mark.parametrize("ct", ENCODINGS)
 def test_malformed_responses_are_internal_errors(ct: str) -> None:
     req = LogprobsRequest(sequences=[Sequence(token_ids=[1, 2, 3], policy_version=1)])
-    bad_count = {"results": []}
+    bad_count: dict[str, Any] = {"results": []}
     short = {"results": [{"logprobs": [-1.0], "versions": [1], "weight_sha256": {"1": "h"}}]}
     for obj, parameter in ((bad_count, "results"), (short, "results[0].logprobs")):
-        body = json.dumps(obj).encode() if ct == wire.JSON else msgpack.packb(obj)
+        body = json.dumps(obj).encode() if ct == wire.JSON_TYPE else msgpack.packb(obj)
         with pytest.raises(errors.InternalError) as info:
             wire.decode_response(body, req, ct)
         assert info.value.parameter == parameter
@@ -320,15 +337,15 @@ def test_malformed_responses_are_internal_errors(ct: str) -> None:
 @pytest.mark.parametrize(
     ("accept", "expected"),
     [
-        (None, wire.JSON),
-        ("", wire.JSON),
-        ("*/*", wire.JSON),
-        ("application/msgpack", wire.MSGPACK),
-        ("application/json, application/msgpack", wire.JSON),
-        ("application/json;q=0.5, application/msgpack", wire.MSGPACK),
-        ("application/x-msgpack;q=0.9, application/json;q=0.1", wire.MSGPACK),
-        ("application/msgpack;q=0", wire.JSON),
-        ("text/html", wire.JSON),
+        (None, wire.JSON_TYPE),
+        ("", wire.JSON_TYPE),
+        ("*/*", wire.JSON_TYPE),
+        ("application/msgpack", wire.MSGPACK_TYPE),
+        ("application/json, application/msgpack", wire.JSON_TYPE),
+        ("application/json;q=0.5, application/msgpack", wire.MSGPACK_TYPE),
+        ("application/x-msgpack;q=0.9, application/json;q=0.1", wire.MSGPACK_TYPE),
+        ("application/msgpack;q=0", wire.JSON_TYPE),
+        ("text/html", wire.JSON_TYPE),
     ],
 )
 def test_negotiate(accept: str | None, expected: str) -> None:
@@ -336,14 +353,16 @@ def test_negotiate(accept: str | None, expected: str) -> None:
 
 
 def test_media_type() -> None:
-    assert wire.media_type(None) == wire.JSON
-    assert wire.media_type("application/json; charset=utf-8") == wire.JSON
-    assert wire.media_type("Application/MsgPack") == wire.MSGPACK
+    assert wire.media_type(None) == wire.JSON_TYPE
+    assert wire.media_type("application/json; charset=utf-8") == wire.JSON_TYPE
+    assert wire.media_type("Application/MsgPack") == wire.MSGPACK_TYPE
 
 
 ERROR_SAMPLES: list[errors.OldLogitError] = [
     errors.TokenOutOfVocab("token 9999 >= vocab 512", parameter="sequences[0].token_ids"),
-    errors.VersionEvicted("version 3 was evicted", parameter="policy_version", details={"retained": [5, 9]}),
+    errors.VersionEvicted(
+        "version 3 was evicted", parameter="policy_version", details={"retained": [5, 9]}
+    ),
     errors.UnknownVersion("no version 42", parameter="policy_version"),
     errors.Overloaded("queue full", retry_after_s=2.5),
     errors.Unavailable("draining", retry_after_s=0.25),
@@ -397,13 +416,20 @@ def test_grpc_errors_without_our_metadata_map_by_status() -> None:
     down = convert.error_from_grpc(grpc.StatusCode.UNAVAILABLE, "failed to connect", None)
     assert isinstance(down, errors.Unavailable) and down.retry_after_s == 0.0
     assert isinstance(
-        convert.error_from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED, "late", ()), errors.DeadlineExceeded
+        convert.error_from_grpc(grpc.StatusCode.DEADLINE_EXCEEDED, "late", ()),
+        errors.DeadlineExceeded,
     )
-    too_big = convert.error_from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max", ())
+    too_big = convert.error_from_grpc(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max", ()
+    )
     assert isinstance(too_big, errors.LimitExceeded) and not too_big.retryable
-    assert isinstance(convert.error_from_grpc(grpc.StatusCode.UNKNOWN, "?", ()), errors.InternalError)
     assert isinstance(
-        convert.error_from_grpc(grpc.StatusCode.INTERNAL, "x", [("oldlogit-error-bin", b"garbage")]),
+        convert.error_from_grpc(grpc.StatusCode.UNKNOWN, "?", ()), errors.InternalError
+    )
+    assert isinstance(
+        convert.error_from_grpc(
+            grpc.StatusCode.INTERNAL, "x", [("oldlogit-error-bin", b"garbage")]
+        ),
         errors.InternalError,
     )
 
@@ -486,7 +512,9 @@ FLAT_SAMPLES = [
         device="cpu",
         mode="deterministic",
     ),
-    PublishResult(policy_version=4, weight_sha256="e" * 64, created=False, nbytes=9, kind="keyframe"),
+    PublishResult(
+        policy_version=4, weight_sha256="e" * 64, created=False, nbytes=9, kind="keyframe"
+    ),
 ]
 
 
@@ -542,10 +570,10 @@ def _big() -> tuple[LogprobsRequest, LogprobsResponse]:
 
 @pytest.mark.parametrize(
     ("name", "limit_ms"),
-    [(wire.MSGPACK, 50.0), ("proto", 50.0), (wire.JSON, 250.0)],
+    [(wire.MSGPACK_TYPE, 50.0), ("proto", 50.0), (wire.JSON_TYPE, 250.0)],
 )
 def test_64x512_encodes_and_decodes_fast(name: str, limit_ms: float) -> None:
-    """Binary wires take a few ms; JSON (float repr in Python) is slower and only a debug aid."""
+    """Binary wires take a few ms; JSON (float repr in Python) is slower: a debugging aid."""
     req, resp = _big()
     if name == "proto":
         req_bytes = convert.request_to_proto(req).SerializeToString()

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from oldlogit import convert
+from oldlogit._transport_grpc import SERVER_OPTIONS
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
 from oldlogit.errors import (
@@ -241,11 +242,10 @@ async def start_grpc_server(
     server = grpc.aio.server(
         interceptors=[_Interceptor(rt)],
         options=[
+            *(o for o in SERVER_OPTIONS if not o[0].startswith("grpc.max_")),
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ],
     )
     pb_grpc.add_OldLogitServicer_to_server(OldLogitServicer(rt), server)

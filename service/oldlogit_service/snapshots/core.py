@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+
 from oldlogit.errors import (
     Conflict,
     InvalidRequest,
@@ -27,7 +28,6 @@ from oldlogit.errors import (
     WeightsMismatch,
 )
 from oldlogit.weights import read_safetensors_header
-
 from oldlogit_service.snapshots import ingest, persist
 from oldlogit_service.snapshots.leases import LeaseRecord, LeaseTable
 from oldlogit_service.snapshots.residency import Residency, VersionEntry
@@ -142,7 +142,7 @@ class StoreCore(Residency):
             doc = persist.RegistryDoc(self._specs_sha)
         elif doc.specs_sha256 != self._specs_sha and (doc.versions or doc.newest is not None):
             raise WeightsMismatch(
-                f"snapshot dir {self._root} holds versions of a model with other parameters "
+                f"snapshot_dir {self._root} holds versions of a model with other parameters "
                 "(names, dtypes or shapes); point --snapshot-dir at a new directory",
                 parameter="snapshot_dir",
             )
@@ -177,7 +177,7 @@ class StoreCore(Residency):
             self._newest,
             self._watermark,
         )
-        self._enforce_retention()
+        self._retain()
 
     def _file_ok(self, sv: persist.StoredVersion) -> bool:
         try:
@@ -222,7 +222,7 @@ class StoreCore(Residency):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise Unavailable("the snapshot store is closed", parameter="policy_version")
+            raise Unavailable("the snapshot store is closed")
 
     def _retained_locked(self) -> tuple[int, int] | None:
         return (min(self._entries), max(self._entries)) if self._entries else None
@@ -255,18 +255,36 @@ class StoreCore(Residency):
         return e
 
     def _after_op(self) -> None:
-        if self._retention_due and not self._closed:
-            self._enforce_retention()
+        """Expire leases and, if that (or a released pin) freed a version for deletion, apply
+        the retention rules now: expiry is lazy, checked on every operation."""
+        if self._closed:
+            return
+        with self._lock:
+            self._sweep_locked()
+            due = self._retention_due
+        if due:
+            self._retain()
 
-    def _retire_locked(self, version: int) -> None:
+    def _retire_locked(self, version: int, *, evicted: bool = True) -> None:
         e = self._entries.pop(version)
         self._tombstones.add(version)
-        self._disk.remove(e.stored.nbytes, evicted=True)
+        self._disk.remove(e.stored.nbytes, evicted=evicted)
         e.retired = True
         if e.pins == 0:
             self._drop_memory_locked(e)
 
     # -- retention --------------------------------------------------------------------------
+    def _retain(self) -> None:
+        """Apply the disk retention rules after an operation that already succeeded: a failure
+        here (a full or read-only disk) is logged and retried later, never reported as the
+        failure of that operation (a publish that is durable must not look failed)."""
+        try:
+            self._enforce_retention()
+        except Exception:
+            logger.exception("disk retention failed; it is retried on the next operation")
+            with self._lock:
+                self._retention_due = True
+
     def _enforce_retention(self) -> None:
         with self._persist_lock:
             with self._lock:

@@ -28,7 +28,6 @@ from oldlogit.weights import (
     tensor_raw_bytes,
     torch_dtype,
 )
-
 from oldlogit_service.snapshots.persist import TensorSource
 
 __all__ = [
@@ -90,11 +89,15 @@ def _check_one(
     want_dtype, want_shape = specs[name]
     if shape != want_shape:
         raise _mismatch(
-            f"tensor {name!r} has shape {list(shape)}, the model expects {list(want_shape)}", name
+            f"the weights' tensor {name!r} has shape {list(shape)}, the model expects "
+            f"{list(want_shape)}",
+            name,
         )
     if dtype != want_dtype and not (cast_ok and dtype in _FLOATS and want_dtype in _FLOATS):
         hint = "" if cast_ok else " (publish in the serving dtype, or pass cast=True)"
-        raise _mismatch(f"tensor {name!r} is {dtype}, the model serves {want_dtype}{hint}", name)
+        raise _mismatch(
+            f"the weights' tensor {name!r} is {dtype}, the model serves {want_dtype}{hint}", name
+        )
 
 
 def _tensor_chunks(t: Any, cast_to: str | None) -> Iterator[memoryview]:
@@ -115,11 +118,13 @@ def state_dict_sources(
     out: dict[str, TensorSource] = {}
     for name, t in weights.items():
         if not hasattr(t, "shape") or not hasattr(t, "dtype"):
-            raise _mismatch(f"tensor {name!r} is a {type(t).__name__}, not a tensor", name)
+            raise _mismatch(
+                f"the weights' entry {name!r} is a {type(t).__name__}, not a tensor", name
+            )
         try:
             dtype = dtype_name(t)
         except InvalidRequest as exc:
-            raise _mismatch(f"tensor {name!r}: {exc}", name) from exc
+            raise _mismatch(f"the weights' tensor {name!r}: {exc}", name) from exc
         shape = tuple(int(d) for d in t.shape)
         is_torch = type(t).__module__.split(".")[0] == "torch"
         _check_one(name, dtype, shape, specs, cast_ok=cast and is_torch)
@@ -148,7 +153,8 @@ def file_sources(
         for name in h.tensors:
             if name in where:
                 raise InvalidRequest(
-                    f"tensor {name!r} appears in both {where[name].path.name} and {h.path.name}",
+                    f"the weights' tensor {name!r} appears in both {where[name].path.name} and "
+                    f"{h.path.name}",
                     parameter="weights",
                 )
             where[name] = h

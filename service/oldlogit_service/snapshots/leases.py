@@ -7,6 +7,7 @@ never touches the disk: the store persists the records in its registry.
 
 from __future__ import annotations
 
+import heapq
 import math
 import uuid
 from collections.abc import Callable, Iterable
@@ -76,6 +77,9 @@ class LeaseTable:
         self._clock = clock
         self._by_id: dict[str, LeaseRecord] = {}
         self._count: dict[int, int] = {}
+        # (expires_at, lease_id), possibly stale after renew/release: sweep is O(expired log n)
+        # rather than a scan of every lease on every store operation.
+        self._expiry: list[tuple[float, str]] = []
 
     def new(self, version: int, holder: str, ttl_s: float) -> LeaseRecord:
         ttl = check_ttl(ttl_s)
@@ -91,7 +95,7 @@ class LeaseTable:
         rec = self._by_id.get(lease_id) if isinstance(lease_id, str) else None
         if rec is None:
             raise UnknownLease(
-                f"no live lease {lease_id!r} (never granted, released, or expired)",
+                f"lease_id {lease_id!r} names no live lease (never granted, released, or expired)",
                 parameter="lease_id",
             )
         return rec
@@ -106,6 +110,7 @@ class LeaseTable:
             self._dec(old.version)
         self._by_id[rec.lease_id] = rec
         self._count[rec.version] = self._count.get(rec.version, 0) + 1
+        heapq.heappush(self._expiry, (rec.expires_at, rec.lease_id))
 
     def remove(self, lease_id: str) -> LeaseRecord:
         rec = self.get(lease_id)
@@ -123,9 +128,12 @@ class LeaseTable:
     def sweep(self) -> list[LeaseRecord]:
         """Drop and return the leases whose time is up."""
         now = self._clock()
-        expired = [r for r in self._by_id.values() if r.expires_at <= now]
-        for r in expired:
-            self.remove(r.lease_id)
+        expired: list[LeaseRecord] = []
+        while self._expiry and self._expiry[0][0] <= now:
+            at, lease_id = heapq.heappop(self._expiry)
+            rec = self._by_id.get(lease_id)
+            if rec is not None and rec.expires_at == at:  # else renewed or released since
+                expired.append(self.remove(lease_id))
         return expired
 
     def count(self, version: int) -> int:

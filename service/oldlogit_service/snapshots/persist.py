@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+
 from oldlogit.weights import (
     DTYPE_ITEMSIZE,
     SafetensorsHeader,
@@ -37,7 +38,6 @@ from oldlogit.weights import (
     read_safetensors_header,
     torch_dtype,
 )
-
 from oldlogit_service.snapshots.leases import LeaseRecord
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def lock_root(root: Path) -> IO[bytes]:
     except OSError as exc:
         f.close()
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise BlockingIOError(f"snapshot dir {root} is in use by another store") from exc
+            raise BlockingIOError(f"snapshot_dir {root} is in use by another store") from exc
         raise
     return f
 
@@ -311,12 +311,6 @@ def write_keyframe(path: Path, sources: Mapping[str, TensorSource]) -> str:
     data_start = 8 + len(raw)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        if data_start + cursor:
-            try:  # reserve the space now: a full disk fails here, not halfway through
-                os.posix_fallocate(fd, 0, data_start + cursor)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
         _pwrite_all(fd, len(raw).to_bytes(8, "little") + raw, 0)
         hasher = WeightHasher()
         for name in sorted(sources):
@@ -384,6 +378,11 @@ def read_keyframe(
         if got != expect_sha256:
             raise CorruptSnapshot(f"{path.name} hashes to {got}, the registry says {expect_sha256}")
     return buf, header
+
+
+def aligned(header: SafetensorsHeader) -> bool:
+    """Whether every tensor starts at a multiple of its item size (zero-copy dtype views)."""
+    return all(e.begin % DTYPE_ITEMSIZE[e.dtype] == 0 for e in header.tensors.values())
 
 
 def tensor_views(buf: torch.Tensor, entries: Iterable[TensorEntry]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
 from oldlogit.errors import (
     InvalidRequest,
     OutOfMemory,
@@ -21,7 +22,6 @@ from oldlogit.errors import (
     VersionNotIncreasing,
     WeightsMismatch,
 )
-
 from oldlogit_service.snapshots import ingest, persist
 from oldlogit_service.snapshots.core import StoreCore, check_sha, check_version
 from oldlogit_service.snapshots.records import PublishOutcome
@@ -72,8 +72,10 @@ class Publishing(StoreCore):
         expected = check_sha(expected_sha256)
         self._check_open()
         path = Path(path)
-        sources, _ = ingest.file_sources(path, self._specs)
-        if move and path.is_file():
+        sources, headers = ingest.file_sources(path, self._specs)
+        # A moved file is served as laid out; one with a tensor at an offset its dtype view
+        # cannot use (e.g. name-ordered mixed dtypes) is rewritten in the aligned layout.
+        if move and path.is_file() and persist.aligned(headers[0]):
             return self._publish_moved(version, path, sources, expected)
         out = self._publish_sources(version, sources, expected)
         self._after_op()
@@ -107,7 +109,7 @@ class Publishing(StoreCore):
     def _check_expected(sha: str, expected: str | None) -> None:
         if expected is not None and sha != expected:
             raise WeightsMismatch(
-                f"the weights hash to {sha}, not the expected {expected}",
+                f"the weights' sha256 is {sha}, not the expected sha256 {expected}",
                 parameter="sha256",
                 details={"expected": expected, "actual": sha},
             )
@@ -137,7 +139,8 @@ class Publishing(StoreCore):
             try:
                 sha = persist.write_keyframe(tmp, sources)
             except OSError as exc:
-                raise self._disk_error(exc) from exc
+                self._raise_if_disk_full(exc)
+                raise
             self._check_expected(sha, expected)
             persist.durable_rename(tmp, self._weights_dir / name)
         except BaseException:
@@ -164,19 +167,18 @@ class Publishing(StoreCore):
             persist.durable_rename(path, self._weights_dir / name)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
-                raise self._disk_error(exc) from exc
+                raise
             return self._publish_sources(version, sources, expected)  # another filesystem
         return self._commit(version, sha, name)
 
     @staticmethod
-    def _disk_error(exc: OSError) -> Exception:
+    def _raise_if_disk_full(exc: OSError) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return OutOfMemory(
-                "the snapshot disk is full: lower --disk-budget-gib, raise the watermark, "
-                "or free space",
+            raise OutOfMemory(
+                "no room on the snapshot disk for these weights: lower --disk-budget-gib, "
+                "raise the watermark, or free space",
                 parameter="weights",
-            )
-        return exc
+            ) from exc
 
     def _commit(self, version: int, sha: str, name: str) -> PublishOutcome:
         """Record a durable file; the version becomes visible only after the registry write."""
@@ -209,7 +211,7 @@ class Publishing(StoreCore):
             final.unlink(missing_ok=True)
             return self._same_or_conflict(version, sha, existing)
         logger.info("published version %d (sha256 %s, %d bytes)", version, sha, stored.nbytes)
-        self._enforce_retention()
+        self._retain()
         return PublishOutcome(version, sha, True, stored.nbytes)
 
     @property

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from oldlogit.errors import Overloaded
 from oldlogit.weights import TensorEntry
-
 from oldlogit_service.snapshots.persist import StoredVersion, tensor_views
 from oldlogit_service.snapshots.tiers import (
     DEVICE,
@@ -160,14 +160,16 @@ class Residency:
                     raise self._evicted_while_loading(entry)
                 if entry.device is not None:
                     return entry.device
-                self._admit_device_locked(n)
+                self._admit_device_locked(n, entry.stored.version)
             try:
                 start = time.perf_counter()
                 host = entry.host
                 from_disk = host is None
                 if host is None:
                     host = self._materialize(entry)
-                dev = host if self._device.type == "cpu" else self._to_device(host)
+                # With a host tier (a GPU), the device copy is a transfer from the host copy.
+                direct = self._device.type == "cpu" and not self._host_enabled
+                dev = host if direct else self._to_device(host)
             except BaseException:
                 with self._cond:
                     self._device_tier.reserve(0)
@@ -195,7 +197,7 @@ class Residency:
                 self._cond.notify_all()
                 return dev
 
-    def _admit_device_locked(self, nbytes: int) -> None:
+    def _admit_device_locked(self, nbytes: int, version: int) -> None:
         """Make room for a load: evict unpinned LRU; proceed at once if that brings the tier
         within budget, or when what stays (all in use) is itself within budget — so resident
         bytes stay <= budget + one snapshot. Otherwise wait for releases (bounded)."""
@@ -208,8 +210,8 @@ class Residency:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Overloaded(
-                    f"the device budget ({tier.budget} bytes) is held by versions in use; "
-                    "retry shortly",
+                    f"cannot load policy_version {version} now: the device budget "
+                    f"({tier.budget} bytes) is held by versions in use; retry shortly",
                     parameter="policy_version",
                     retry_after_s=1.0,
                 )

@@ -16,8 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, error_from_payload
 
+from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, error_from_payload
 from oldlogit_service.snapshots import persist
 from oldlogit_service.snapshots.core import check_version
 from oldlogit_service.snapshots.leases import LeaseRecord
@@ -41,10 +41,22 @@ _COUNTERS = (
 
 
 class SnapshotStore(Publishing):
-    """Acknowledged versions on disk, cached in host/device memory; see the module docstring.
+    """Every acknowledged version's weights, served from the fastest tier that holds them.
 
-    Construct with ``SnapshotStore(root, param_specs=..., device=..., device_budget_bytes=...,
-    host_budget_bytes=..., disk_budget_bytes=..., max_versions=...)`` (see ``StoreCore``).
+    ``SnapshotStore(root, *, param_specs, device, device_budget_bytes, host_budget_bytes,
+    disk_budget_bytes, max_versions, pin_host=None, clock=time.time, verify_first_load=True,
+    admission_timeout_s=60.0)``; the arguments are described on ``StoreCore.__init__``.
+
+    Decisions (DESIGN.md §3):
+    - Memory tiers evict LRU among unpinned versions (ties: a copy one tier down first, then
+      the smaller). Device bytes stay <= budget + one snapshot: a load that would go further
+      (everything resident in use) waits for a release, up to ``admission_timeout_s``, then
+      raises ``Overloaded``.
+    - Disk: below the watermark first, then LRU while over ``max_versions`` or the byte
+      budget; never a leased or in-use version, never the newest for budget reasons. Deleted
+      versions are tombstoned (``VersionEvicted`` with the retained range), durably.
+    - The watermark only moves up; lowering it is refused (``InvalidRequest``).
+    - Leases are persisted with wall-clock expiry, so they survive a restart.
     """
 
     # -- acquire ----------------------------------------------------------------------------
@@ -57,6 +69,7 @@ class SnapshotStore(Publishing):
         """
         version = check_version(version)
         self._check_open()
+        self._after_op()
         entry, resident = self._pin(version)
         try:
             yield MappingProxyType(resident.tensors)
@@ -127,7 +140,9 @@ class SnapshotStore(Publishing):
         """The trainer will never ask below ``version``: unleased versions below it are deleted.
 
         Monotonic: an equal value is a no-op, a lower one is refused (its versions may already
-        be gone, so lowering could not bring them back). Returns the watermark.
+        be gone, so lowering could not bring them back). A watermark above the newest version
+        retires every unleased version, and later publishes must be at or above it.
+        Returns the watermark.
         """
         version = check_version(version)
         self._check_open()
@@ -136,7 +151,8 @@ class SnapshotStore(Publishing):
                 wm = self._watermark
                 if wm is not None and version < wm:
                     raise InvalidRequest(
-                        f"the watermark is {wm}; it can only move up (got {version})",
+                        f"the watermark is {wm} and only moves up; policy_version {version} "
+                        "is below it",
                         parameter="policy_version",
                     )
                 if wm == version:
@@ -146,7 +162,7 @@ class SnapshotStore(Publishing):
             with self._lock:
                 self._watermark = version
         logger.info("watermark set to %d", version)
-        self._enforce_retention()
+        self._retain()
         return version
 
     def delete(self, version: int) -> bool:
@@ -170,7 +186,7 @@ class SnapshotStore(Publishing):
                 doc = self._doc_locked(remove=(version,))
             persist.write_registry(self._root, doc)
             with self._lock:
-                self._retire_locked(version)
+                self._retire_locked(version, evicted=False)
             persist.remove_files(self._weights_dir, [e.stored.file])
         logger.info("deleted version %d on request", version)
         return True
@@ -217,7 +233,7 @@ class SnapshotStore(Publishing):
             persist.write_registry(self._root, doc)
             with self._lock:
                 self._leases.remove(lease_id)
-        self._enforce_retention()
+        self._retain()
         return rec
 
     # -- introspection ----------------------------------------------------------------------
@@ -244,12 +260,14 @@ class SnapshotStore(Publishing):
 
     def info(self, version: int) -> VersionRecord:
         version = check_version(version)
+        self._after_op()
         with self._lock:
             self._sweep_locked()
             return self._record_locked(self._live_locked(version))
 
     def sha256(self, version: int) -> str:
         version = check_version(version)
+        self._after_op()
         with self._lock:
             return self._live_locked(version).stored.sha256
 

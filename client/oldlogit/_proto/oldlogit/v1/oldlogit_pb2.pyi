@@ -426,17 +426,17 @@ class DeleteVersionResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    DELETED_FIELD_NUMBER: _builtins.int
-    deleted: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
     """The policy version that was deleted."""
     def __init__(
         self,
         *,
-        deleted: _builtins.int = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -456,7 +456,9 @@ class PublishHeader(_message.Message):
     policy_version: _builtins.int
     """The version to publish (strictly increasing per deployment)."""
     sha256: _builtins.str
-    """Expected sha256 (hex) of the reconstructed weights; the service verifies it."""
+    """Expected sha256 (hex) of the reconstructed weights; the service verifies it. Empty: the
+    service computes it and reports it in PublishResult (no end-to-end check).
+    """
     delta: _builtins.bool
     """True when the stream holds a delta against `parent` rather than full weights."""
     parent: _builtins.int
@@ -528,7 +530,9 @@ class PublishByPathRequest(_message.Message):
     path: _builtins.str
     """A safetensors file, or a directory of safetensors shards."""
     sha256: _builtins.str
-    """Expected sha256 (hex) of the weights; the service verifies it."""
+    """Expected sha256 (hex) of the weights; the service verifies it. Empty: the service computes
+    it and reports it in PublishResult.
+    """
     delta: _builtins.bool
     """True when the files hold a delta against `parent`."""
     parent: _builtins.int
@@ -730,17 +734,17 @@ class DeleteLeaseResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    RELEASED_FIELD_NUMBER: _builtins.int
-    released: _builtins.str
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
     """The lease id that was released."""
     def __init__(
         self,
         *,
-        released: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

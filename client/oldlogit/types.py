@@ -36,7 +36,9 @@ NOT_SCORED = -1  # the per-token version that means "not scored" (typically the 
 def _as_int_array(value: Any) -> npt.NDArray[np.int64]:
     if isinstance(value, np.ndarray):
         arr = value
-    elif hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+    elif hasattr(value, "detach") and hasattr(
+        value, "cpu"
+    ):  # a torch tensor, without importing torch
         arr = value.detach().cpu().numpy()
     else:
         if isinstance(value, (str, bytes, dict)):
@@ -100,7 +102,7 @@ FloatArray = Annotated[
         {
             "type": "array",
             "items": {"anyOf": [{"type": "number"}, {"enum": ["-inf", "inf", "nan"]}]},
-            "description": "float32 values; JSON has no infinity, so -inf is the string \"-inf\"",
+            "description": 'float32 values; JSON has no infinity, so -inf is the string "-inf"',
         }
     ),
 ]

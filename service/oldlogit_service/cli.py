@@ -17,16 +17,28 @@ from typing import Any
 
 _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--model", {"type": Path, "metavar": "DIR", "help": "HF-format model directory"}),
-    ("--demo", {"action": "store_true", "default": None,
-                "help": "tiny random causal LM with a few versions: no model, no network"}),
+    (
+        "--demo",
+        {
+            "action": "store_true",
+            "default": None,
+            "help": "tiny random causal LM with a few versions: no model, no network",
+        },
+    ),
     ("--snapshot-dir", {"type": Path, "metavar": "DIR", "help": "where versions are kept"}),
     ("--host", {"help": "address to bind (default 127.0.0.1)"}),
     ("--http-port", {"type": int, "help": "HTTP port (default 8000; 0 picks a free one)"}),
     ("--grpc-port", {"type": int, "help": "gRPC port (default 50051; 0 picks a free one)"}),
     ("--device", {"choices": ["auto", "cpu", "cuda"]}),
     ("--dtype", {"choices": ["bfloat16", "float16", "float32"]}),
-    ("--lm-head-fp32", {"action": "store_true", "default": None,
-                        "help": "cast hidden states and head weight to float32 for the head"}),
+    (
+        "--lm-head-fp32",
+        {
+            "action": "store_true",
+            "default": None,
+            "help": "cast hidden states and head weight to float32 for the head",
+        },
+    ),
     ("--mode", {"choices": ["deterministic", "fast"]}),
     ("--device-budget-gib", {"type": float}),
     ("--host-budget-gib", {"type": float}),
@@ -41,8 +53,16 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-queue", {"type": int}),
     ("--max-seq-len", {"type": int}),
     ("--cache-budget-mib", {"type": float}),
-    ("--publish-root", {"type": Path, "action": "append", "dest": "publish_roots",
-                        "metavar": "DIR", "help": "allow publish-by-path under DIR (repeatable)"}),
+    (
+        "--publish-root",
+        {
+            "type": Path,
+            "action": "append",
+            "dest": "publish_roots",
+            "metavar": "DIR",
+            "help": "allow publish-by-path under DIR (repeatable)",
+        },
+    ),
     ("--drain-timeout-s", {"type": float}),
     ("--log-level", {"help": "DEBUG, INFO, WARNING, ERROR"}),
 ]
@@ -73,9 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from oldlogit_service.config import Settings
 
-    given = {
-        k: v for k, v in vars(args).items() if k != "command" and v is not None
-    }
+    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     try:
         settings = Settings(**given)
     except ValidationError as exc:
@@ -115,7 +133,9 @@ def _publish(args: argparse.Namespace) -> int:
                 res = c.publish(args.policy_version, str(args.path), by_path=True)
             else:
                 res = c.publish(
-                    args.policy_version, args.weights, delta=args.delta,
+                    args.policy_version,
+                    args.weights,
+                    delta=args.delta,
                     progress=not args.no_progress,
                 )
     except OldLogitError as exc:
@@ -128,11 +148,15 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
     try:
-        from benchmarks.suite import main as bench_main
+        bench_main = importlib.import_module("benchmarks.suite").main
     except ImportError:
-        print("oldlogit bench: run it from a source checkout (the benchmarks/ folder)",
-              file=sys.stderr)
+        print(
+            "oldlogit bench: run it from a source checkout (the benchmarks/ folder)",
+            file=sys.stderr,
+        )
         return 2
     return int(bench_main(list(args.rest)))
 

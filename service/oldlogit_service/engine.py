@@ -30,8 +30,9 @@ from typing import Literal
 
 import numpy as np
 import torch
-from oldlogit.errors import OutOfMemory
 from torch import Tensor
+
+from oldlogit.errors import OutOfMemory
 
 from .model import LoadedModel
 from .numerics import (

@@ -51,26 +51,29 @@ class _StateCollector(Collector):
             evictions.add_metric([tier], float(n))
         yield evictions
         yield GaugeMetricFamily(
-            "oldlogit_versions", "Versions retained (acknowledged, not evicted)",
+            "oldlogit_versions",
+            "Versions retained (acknowledged, not evicted)",
             value=float(s.get("versions", 0)),
         )
         yield GaugeMetricFamily(
-            "oldlogit_newest_version", "Newest published version (-1: none)",
+            "oldlogit_newest_version",
+            "Newest published version (-1: none)",
             value=float(s.get("newest", -1)),
         )
         yield GaugeMetricFamily(
-            "oldlogit_watermark", "Retention watermark (-1: none)",
+            "oldlogit_watermark",
+            "Retention watermark (-1: none)",
             value=float(s.get("watermark", -1)),
         )
+        yield GaugeMetricFamily("oldlogit_leases", "Live leases", value=float(s.get("leases", 0)))
         yield GaugeMetricFamily(
-            "oldlogit_leases", "Live leases", value=float(s.get("leases", 0))
-        )
-        yield GaugeMetricFamily(
-            "oldlogit_queue_depth", "Jobs waiting in the scheduler",
+            "oldlogit_queue_depth",
+            "Jobs waiting in the scheduler",
             value=float(s.get("queue_depth", 0)),
         )
         yield GaugeMetricFamily(
-            "oldlogit_queue_tokens", "Tokens waiting in the scheduler",
+            "oldlogit_queue_tokens",
+            "Tokens waiting in the scheduler",
             value=float(s.get("queue_tokens", 0)),
         )
         cache = s.get("cache", {})
@@ -81,7 +84,8 @@ class _StateCollector(Collector):
             "oldlogit_cache_misses", "Result cache misses", value=float(cache.get("misses", 0))
         )
         yield GaugeMetricFamily(
-            "oldlogit_cache_bytes", "Bytes held by the result cache",
+            "oldlogit_cache_bytes",
+            "Bytes held by the result cache",
             value=float(cache.get("bytes", 0)),
         )
         yield GaugeMetricFamily(
@@ -96,24 +100,35 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "oldlogit_requests", "Requests by route, transport and outcome code",
-            ["route", "transport", "code"], registry=r,
+            "oldlogit_requests",
+            "Requests by route, transport and outcome code",
+            ["route", "transport", "code"],
+            registry=r,
         )
         self.latency = Histogram(
-            "oldlogit_request_latency_seconds", "Request latency by route and transport",
-            ["route", "transport"], buckets=_LATENCY_BUCKETS, registry=r,
+            "oldlogit_request_latency_seconds",
+            "Request latency by route and transport",
+            ["route", "transport"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
-            "oldlogit_queue_wait_seconds", "Time a job waited in the scheduler queue",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "oldlogit_queue_wait_seconds",
+            "Time a job waited in the scheduler queue",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.batch_tokens = Histogram(
-            "oldlogit_batch_tokens", "Tokens per executed batch", buckets=_TOKEN_BUCKETS,
+            "oldlogit_batch_tokens",
+            "Tokens per executed batch",
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.batch_seconds = Histogram(
-            "oldlogit_batch_seconds", "Wall time per executed batch (load + forward)",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "oldlogit_batch_seconds",
+            "Wall time per executed batch (load + forward)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.tokens = Counter(
             "oldlogit_tokens", "Tokens forwarded (rate() gives tokens/s)", registry=r
@@ -122,8 +137,11 @@ class Metrics:
             "oldlogit_scored_tokens", "Logprobs returned, by source", ["source"], registry=r
         )
         self.publish_seconds = Histogram(
-            "oldlogit_publish_seconds", "Publish duration (receive, verify, persist)",
-            ["outcome"], buckets=_LATENCY_BUCKETS, registry=r,
+            "oldlogit_publish_seconds",
+            "Publish duration (receive, verify, persist)",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.publishes = Counter(
             "oldlogit_publishes", "Publishes by outcome code", ["code"], registry=r

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from oldlogit.errors import WeightsMismatch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.func import functional_call
+
+from oldlogit.errors import WeightsMismatch
 
 logger = logging.getLogger(__name__)
 

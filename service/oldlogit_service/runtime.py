@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+
 from oldlogit.errors import (
     DeadlineExceeded,
     Forbidden,
@@ -38,7 +39,6 @@ from oldlogit.types import (
     SequenceResult,
     VersionInfo,
 )
-
 from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCache
 from oldlogit_service.config import Settings
@@ -156,9 +156,7 @@ class Runtime:
             return
         if not write and expected is None:
             return
-        ok = token is not None and hmac.compare_digest(
-            token.encode(), (expected or "").encode()
-        )
+        ok = token is not None and hmac.compare_digest(token.encode(), (expected or "").encode())
         if not ok and not write and s.write_token is not None and token is not None:
             ok = hmac.compare_digest(token.encode(), s.write_token.encode())
         if not ok:
@@ -298,8 +296,9 @@ class Runtime:
             )
         target = Path(path).resolve()  # symlinks resolved: no escaping a root through a link
         if not any(target == r or target.is_relative_to(r) for r in roots):
-            raise Forbidden(f"path {path!r} is not under a configured publish root",
-                            parameter="path")
+            raise Forbidden(
+                f"path {path!r} is not under a configured publish root", parameter="path"
+            )
         if not target.exists():
             raise InvalidRequest(f"path {path!r} does not exist", parameter="path")
         return await self._publish(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
 from oldlogit.errors import DeadlineExceeded, InternalError, OldLogitError, Overloaded, Unavailable
 
 if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's business
@@ -264,7 +265,7 @@ class Scheduler:
         try:
             with self._store.acquire(version) as weights:
                 outs = self._engine.run(weights, [it.job for it in live])
-        except BaseException as exc:  # noqa: BLE001 - every failure fails the batch, loop lives
+        except BaseException as exc:
             err = map_exception(exc)
             for it in live:
                 it.future.set_exception(err)

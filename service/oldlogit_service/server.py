@@ -106,7 +106,9 @@ async def serve(
     install_signals: bool = True,
 ) -> None:
     """Run both transports until ``stop`` is set or SIGTERM/SIGINT arrives."""
-    rt = runtime or await asyncio.to_thread(build_runtime, settings)
+    rt: Runtime = (
+        runtime if runtime is not None else await asyncio.to_thread(build_runtime, settings)
+    )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     if install_signals:
@@ -175,7 +177,10 @@ class ServerThread:
                 self._ready.set()
 
             await serve(
-                self.settings, runtime=self._runtime, on_ready=ready, stop=self._stop,
+                self.settings,
+                runtime=self._runtime,
+                on_ready=ready,
+                stop=self._stop,
                 install_signals=False,
             )
 

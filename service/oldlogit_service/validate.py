@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
 from oldlogit.errors import (
     BadSampling,
     InvalidRequest,

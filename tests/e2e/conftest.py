@@ -32,12 +32,14 @@ class CliServer:
         return self.proc.wait(timeout=timeout)
 
 
-def start_cli(args: list[str], *, env: dict[str, str] | None = None,
-              timeout_s: float = 120.0) -> CliServer:
+def start_cli(
+    args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 120.0
+) -> CliServer:
     cmd = [sys.executable, "-m", "oldlogit_service.cli", "serve", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=REPO)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=REPO
+    )
     lines: list[str] = []
     found: dict[str, str] = {}
 
@@ -69,7 +71,6 @@ def start_cli(args: list[str], *, env: dict[str, str] | None = None,
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
     snap = tmp_path_factory.mktemp("demo-snapshots")
-    srv = start_cli(["--demo", "--http-port", "0", "--grpc-port", "0",
-                     "--snapshot-dir", str(snap)])
+    srv = start_cli(["--demo", "--http-port", "0", "--grpc-port", "0", "--snapshot-dir", str(snap)])
     yield srv
     srv.stop()

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from oldlogit import Client
 
 from .conftest import REPO, CliServer, start_cli
@@ -30,13 +31,16 @@ def test_demo_serves_versions_over_both_transports(demo_server: CliServer) -> No
     assert "oldlogit_requests_total" in m and "oldlogit_tier_bytes" in m
     assert httpx.get(f"http://{demo_server.http}/docs").status_code == 200
     page = httpx.get(f"http://{demo_server.http}/").text
-    assert "<table id=\"versions\">" in page
+    assert '<table id="versions">' in page
 
 
 def test_bad_flag_is_a_sentence_not_a_traceback() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "oldlogit_service.cli", "serve"], capture_output=True, text=True,
-        cwd=REPO, timeout=60,
+        [sys.executable, "-m", "oldlogit_service.cli", "serve"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
     )
     assert out.returncode == 2
     assert "--model" in out.stderr and "Traceback" not in out.stderr
@@ -44,8 +48,13 @@ def test_bad_flag_is_a_sentence_not_a_traceback() -> None:
 
 def test_env_vars_and_restart_keep_versions(tmp_path: Path) -> None:
     snap = tmp_path / "snap"
-    env = {"OLDLOGIT_DEMO": "true", "OLDLOGIT_SNAPSHOT_DIR": str(snap),
-           "OLDLOGIT_HTTP_PORT": "0", "OLDLOGIT_GRPC_PORT": "0", "OLDLOGIT_DTYPE": "float32"}
+    env = {
+        "OLDLOGIT_DEMO": "true",
+        "OLDLOGIT_SNAPSHOT_DIR": str(snap),
+        "OLDLOGIT_HTTP_PORT": "0",
+        "OLDLOGIT_GRPC_PORT": "0",
+        "OLDLOGIT_DTYPE": "float32",
+    }
     srv = start_cli([], env=env)
     try:
         with Client(f"http://{srv.http}") as c:
@@ -67,16 +76,26 @@ def test_env_vars_and_restart_keep_versions(tmp_path: Path) -> None:
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
-    srv = start_cli(["--demo", "--http-port", "0", "--grpc-port", "0",
-                     "--snapshot-dir", str(tmp_path / "s"), "--max-wait-ms", "20"])
+    srv = start_cli(
+        [
+            "--demo",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--snapshot-dir",
+            str(tmp_path / "s"),
+            "--max-wait-ms",
+            "20",
+        ]
+    )
     results: list[object] = []
 
     def hammer() -> None:
         with Client(f"grpc://{srv.grpc}", retries=0) as c:
             try:
-                results.append(c.logprobs(list(range(1, 1500)), policy_version=1,
-                                          use_cache=False))
-            except Exception as exc:  # noqa: BLE001 - examined below
+                results.append(c.logprobs(list(range(1, 1500)), policy_version=1, use_cache=False))
+            except Exception as exc:
                 results.append(exc)
 
     threads = [threading.Thread(target=hammer) for _ in range(4)]
@@ -114,17 +133,43 @@ def test_publish_command(demo_server: CliServer, tmp_path: Path) -> None:
     path = tmp_path / "v9.safetensors"
     save_file(w, str(path))
     out = subprocess.run(
-        [sys.executable, "-m", "oldlogit_service.cli", "publish", "--url",
-         f"http://{demo_server.http}", "--version", "9", "--weights", str(path),
-         "--no-progress"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "oldlogit_service.cli",
+            "publish",
+            "--url",
+            f"http://{demo_server.http}",
+            "--version",
+            "9",
+            "--weights",
+            str(path),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "version 9 published" in out.stdout
     out = subprocess.run(
-        [sys.executable, "-m", "oldlogit_service.cli", "publish", "--url",
-         f"grpc://{demo_server.grpc}", "--version", "9", "--weights", str(path),
-         "--no-progress"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "oldlogit_service.cli",
+            "publish",
+            "--url",
+            f"grpc://{demo_server.grpc}",
+            "--version",
+            "9",
+            "--weights",
+            str(path),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert out.returncode == 0 and "already published" in out.stdout

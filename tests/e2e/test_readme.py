@@ -25,7 +25,8 @@ def _localize(text: str, srv: CliServer) -> str:
     port_http = srv.http.rsplit(":", 1)[1]
     port_grpc = srv.grpc.rsplit(":", 1)[1]
     return text.replace("localhost:8000", f"127.0.0.1:{port_http}").replace(
-        "localhost:50051", f"127.0.0.1:{port_grpc}")
+        "localhost:50051", f"127.0.0.1:{port_grpc}"
+    )
 
 
 def test_quick_start_is_two_make_targets() -> None:
@@ -43,8 +44,12 @@ def test_curl_example(demo_server: CliServer) -> None:
     curl_blocks = [b for b in _blocks("bash") if b.lstrip().startswith("curl")]
     assert curl_blocks
     for block in curl_blocks:
-        out = subprocess.run(["bash", "-c", _localize(block, demo_server)], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            ["bash", "-c", _localize(block, demo_server)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         body = json.loads(out.stdout)
         (res,) = body["results"]
@@ -71,6 +76,7 @@ def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
             code = prelude + code
         script = tmp_path / f"block{i}.py"
         script.write_text(code)
-        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                             timeout=180, cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+        )
         assert out.returncode == 0, f"README python block {i} failed:\n{out.stderr}"

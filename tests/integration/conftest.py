@@ -30,15 +30,30 @@ class Served:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("model"), arch="qwen2", seed=3,
-                               vocab_size=384, hidden_size=64, num_layers=2, max_positions=1024)
+    return make_tiny_model_dir(
+        tmp_path_factory.mktemp("model"),
+        arch="qwen2",
+        seed=3,
+        vocab_size=384,
+        hidden_size=64,
+        num_layers=2,
+        max_positions=1024,
+    )
 
 
 def start_served(tmp: Path, model_dir: Path, **overrides: object) -> Served:
     kw: dict[str, object] = dict(
-        model=model_dir, snapshot_dir=tmp / "snapshots", http_port=0, grpc_port=0,
-        dtype="bfloat16", lm_head_fp32=False, max_wait_ms=2.0, write_token=WRITE_TOKEN,
-        max_seq_len=512, max_sequences_per_request=128, publish_roots=[tmp / "roots"],
+        model=model_dir,
+        snapshot_dir=tmp / "snapshots",
+        http_port=0,
+        grpc_port=0,
+        dtype="bfloat16",
+        lm_head_fp32=False,
+        max_wait_ms=2.0,
+        write_token=WRITE_TOKEN,
+        max_seq_len=512,
+        max_sequences_per_request=128,
+        publish_roots=[tmp / "roots"],
         drain_timeout_s=5.0,
     )
     kw.update(overrides)

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+
 from oldlogit import Client, Sequence, errors
 
 from .conftest import WRITE_TOKEN, Served, start_served
@@ -27,36 +28,76 @@ def _shifted(served: Served, v: int) -> dict[str, torch.Tensor]:
 
 
 CASES: dict[str, tuple[type[errors.OldLogitError], str | None, Callable[[Client, Served], Any]]] = {
-    "token_out_of_vocab": (errors.TokenOutOfVocab, "sequences[0].token_ids",
-                           lambda c, s: c.logprobs([1, 2, 10**6], policy_version=0)),
-    "sequence_too_long": (errors.SequenceTooLong, "sequences[0].token_ids",
-                          lambda c, s: c.logprobs(_ids(600), policy_version=0)),
-    "bad_sampling": (errors.BadSampling, "sampling.temperature",
-                     lambda c, s: c.logprobs(_ids(5), policy_version=0, temperature=0.0)),
-    "bad_top_p": (errors.BadSampling, "sampling.top_p",
-                  lambda c, s: c.logprobs(_ids(5), policy_version=0, top_p=1.5)),
-    "malformed_versions": (errors.MalformedVersions, "sequences[0].versions",
-                           lambda c, s: c.logprobs(_ids(5), versions=[0, 0])),
-    "negative_version": (errors.MalformedVersions, "sequences[0].versions",
-                         lambda c, s: c.logprobs(_ids(3), versions=[0, -5, 0])),
-    "unknown_version": (errors.UnknownVersion, "policy_version",
-                        lambda c, s: c.logprobs(_ids(5), policy_version=999)),
-    "limit_exceeded": (errors.LimitExceeded, "sequences",
-                       lambda c, s: c.logprobs_batch(
-                           [Sequence(token_ids=[1, 2], policy_version=0)] * 129)),
-    "weights_mismatch_sha": (errors.WeightsMismatch, "sha256",
-                             lambda c, s: c.publish(90, s.weights[3], sha256="0" * 64)),
-    "weights_mismatch_shape": (errors.WeightsMismatch, "weights",
-                               lambda c, s: c.publish(91, {k: v[:1] for k, v in
-                                                           s.weights[3].items()})),
-    "version_conflict": (errors.VersionConflict, "policy_version",
-                         lambda c, s: c.publish(1, _shifted(s, 1))),
-    "version_not_increasing": (errors.VersionNotIncreasing, "policy_version",
-                               lambda c, s: c.publish(5, s.weights[3])),  # 0..3 and 10 exist
-    "unknown_lease": (errors.UnknownLease, "lease_id",
-                      lambda c, s: c.release_lease("no-such-lease")),
-    "forbidden_path": (errors.Forbidden, "path",
-                       lambda c, s: c.publish(92, "/etc/passwd", by_path=True)),
+    "token_out_of_vocab": (
+        errors.TokenOutOfVocab,
+        "sequences[0].token_ids",
+        lambda c, s: c.logprobs([1, 2, 10**6], policy_version=0),
+    ),
+    "sequence_too_long": (
+        errors.SequenceTooLong,
+        "sequences[0].token_ids",
+        lambda c, s: c.logprobs(_ids(600), policy_version=0),
+    ),
+    "bad_sampling": (
+        errors.BadSampling,
+        "sampling.temperature",
+        lambda c, s: c.logprobs(_ids(5), policy_version=0, temperature=0.0),
+    ),
+    "bad_top_p": (
+        errors.BadSampling,
+        "sampling.top_p",
+        lambda c, s: c.logprobs(_ids(5), policy_version=0, top_p=1.5),
+    ),
+    "malformed_versions": (
+        errors.MalformedVersions,
+        "sequences[0].versions",
+        lambda c, s: c.logprobs(_ids(5), versions=[0, 0]),
+    ),
+    "negative_version": (
+        errors.MalformedVersions,
+        "sequences[0].versions",
+        lambda c, s: c.logprobs(_ids(3), versions=[0, -5, 0]),
+    ),
+    "unknown_version": (
+        errors.UnknownVersion,
+        "policy_version",
+        lambda c, s: c.logprobs(_ids(5), policy_version=999),
+    ),
+    "limit_exceeded": (
+        errors.LimitExceeded,
+        "sequences",
+        lambda c, s: c.logprobs_batch([Sequence(token_ids=[1, 2], policy_version=0)] * 129),
+    ),
+    "weights_mismatch_sha": (
+        errors.WeightsMismatch,
+        "sha256",
+        lambda c, s: c.publish(90, s.weights[3], sha256="0" * 64),
+    ),
+    "weights_mismatch_shape": (
+        errors.WeightsMismatch,
+        "weights",
+        lambda c, s: c.publish(91, {k: v[:1] for k, v in s.weights[3].items()}),
+    ),
+    "version_conflict": (
+        errors.VersionConflict,
+        "policy_version",
+        lambda c, s: c.publish(1, _shifted(s, 1)),
+    ),
+    "version_not_increasing": (
+        errors.VersionNotIncreasing,
+        "policy_version",
+        lambda c, s: c.publish(5, s.weights[3]),
+    ),  # 0..3 and 10 exist
+    "unknown_lease": (
+        errors.UnknownLease,
+        "lease_id",
+        lambda c, s: c.release_lease("no-such-lease"),
+    ),
+    "forbidden_path": (
+        errors.Forbidden,
+        "path",
+        lambda c, s: c.publish(92, "/etc/passwd", by_path=True),
+    ),
 }
 
 
@@ -102,29 +143,45 @@ def test_http_framework_errors_use_the_tree(served: Served) -> None:
     with httpx.Client(base_url=base) as h:
         r = h.get("/v1/nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-        r = h.post("/v1/logprobs", content=b"{not json", headers={"content-type": "application/json"})
+        r = h.post(
+            "/v1/logprobs", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
         r = h.post("/v1/logprobs", json={"sequences": [{"token_ids": "abc", "policy_version": 0}]})
         assert r.status_code == 400
         assert "sequences[0].token_ids" in r.json()["error"]["parameter"]
-        r = h.post("/v1/watermark", json={"policy_version": "x"},
-                   headers={"authorization": f"Bearer {WRITE_TOKEN}"})
+        r = h.post(
+            "/v1/watermark",
+            json={"policy_version": "x"},
+            headers={"authorization": f"Bearer {WRITE_TOKEN}"},
+        )
         assert r.status_code == 400 and r.json()["error"]["parameter"] == "policy_version"
-        r = h.post("/v1/leases", json={"policy_version": 0, "ttl_s": -1},
-                   headers={"authorization": f"Bearer {WRITE_TOKEN}"})
+        r = h.post(
+            "/v1/leases",
+            json={"policy_version": 0, "ttl_s": -1},
+            headers={"authorization": f"Bearer {WRITE_TOKEN}"},
+        )
         assert r.status_code == 400 and r.json()["error"]["parameter"] == "ttl_s"
         r = h.get("/v1/versions/12345")
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_version"
-        r = h.put("/v1/versions/77", content=b"garbage-not-safetensors",
-                  headers={"authorization": f"Bearer {WRITE_TOKEN}"})
+        r = h.put(
+            "/v1/versions/77",
+            content=b"garbage-not-safetensors",
+            headers={"authorization": f"Bearer {WRITE_TOKEN}"},
+        )
         assert r.status_code in (400, 422), r.text
         assert r.json()["error"]["code"] in ("invalid_request", "weights_mismatch")
 
 
 @pytest.fixture(scope="module")
 def tiny_queue(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Served]:
-    s = start_served(tmp_path_factory.mktemp("tinyq"), model_dir, max_queue=1,
-                     max_wait_ms=50.0, max_batch_tokens=64)
+    s = start_served(
+        tmp_path_factory.mktemp("tinyq"),
+        model_dir,
+        max_queue=1,
+        max_wait_ms=50.0,
+        max_batch_tokens=64,
+    )
     yield s
     s.server.stop()
 

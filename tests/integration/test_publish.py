@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from oldlogit import Client
 from safetensors.torch import save_file
 
+from oldlogit import Client
 from oldlogit_service.numerics import SamplingParams
 from oldlogit_service.reference import reference_logprobs
 

@@ -7,8 +7,8 @@ import threading
 
 import numpy as np
 import pytest
-from oldlogit import Client, Sequence
 
+from oldlogit import Client, Sequence
 from oldlogit_service.numerics import SamplingParams
 from oldlogit_service.reference import reference_logprobs_versions
 
@@ -40,10 +40,16 @@ def _random_case(rng: random.Random, vocab: int) -> tuple[Sequence, np.ndarray, 
 _REFERENCE_LOCK = threading.Lock()
 
 
-def _reference(served: Served, seq: Sequence, versions: np.ndarray, sp: SamplingParams) -> np.ndarray:
+def _reference(
+    served: Served, seq: Sequence, versions: np.ndarray, sp: SamplingParams
+) -> np.ndarray:
     with _REFERENCE_LOCK:
         return reference_logprobs_versions(
-            served.model, served.weights, seq.token_ids, versions, sp,
+            served.model,
+            served.weights,
+            seq.token_ids,
+            versions,
+            sp,
             lm_head_fp32=served.settings.lm_head_fp32,
         )
 
@@ -53,8 +59,12 @@ def test_single_sequence_matches_reference(served: Served, transport: str) -> No
     ids = [rng.randrange(384) for _ in range(50)]
     with Client(served.url(transport)) as c:
         r = c.logprobs(ids, policy_version=2, score_from=10, temperature=0.7)
-    ref = _reference(served, Sequence(token_ids=ids, policy_version=2, score_from=10),
-                     np.array([-1] * 10 + [2] * 40), SamplingParams(temperature=0.7))
+    ref = _reference(
+        served,
+        Sequence(token_ids=ids, policy_version=2, score_from=10),
+        np.array([-1] * 10 + [2] * 40),
+        SamplingParams(temperature=0.7),
+    )
     assert r.logprobs.dtype == np.float32 and r.logprobs.shape == (50,)
     assert np.isnan(r.logprobs[:10]).all()
     assert np.array_equal(r.logprobs, ref, equal_nan=True)
@@ -77,8 +87,9 @@ def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: st
             with Client(served.url(transport)) as c:
                 barrier.wait(timeout=30)
                 for seq, versions, sp in cases:
-                    r = c.logprobs_batch([seq], temperature=sp.temperature, top_k=sp.top_k,
-                                         top_p=sp.top_p)[0]
+                    r = c.logprobs_batch(
+                        [seq], temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p
+                    )[0]
                     ref = _reference(served, seq, versions, sp)
                     if not np.array_equal(r.logprobs, ref, equal_nan=True):
                         diff = np.nanmax(np.abs(r.logprobs - ref))
@@ -86,7 +97,7 @@ def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: st
                     used = sorted({int(v) for v in versions[1:] if v >= 0})
                     if r.versions != used:
                         failures.append(f"client {k}: versions {r.versions} != {used}")
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_clients)]
@@ -118,8 +129,12 @@ def test_out_of_support_tokens_are_minus_inf(served: Served, transport: str) -> 
     ids = list(range(40))
     with Client(served.url(transport)) as c:
         r = c.logprobs(ids, policy_version=1, top_k=1)
-    ref = _reference(served, Sequence(token_ids=ids, policy_version=1),
-                     np.array([-1] + [1] * 39), SamplingParams(top_k=1))
+    ref = _reference(
+        served,
+        Sequence(token_ids=ids, policy_version=1),
+        np.array([-1] + [1] * 39),
+        SamplingParams(top_k=1),
+    )
     assert np.isneginf(r.logprobs).any()
     assert np.array_equal(r.logprobs, ref, equal_nan=True)
 

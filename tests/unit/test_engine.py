@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from oldlogit.errors import OutOfMemory
 from oldlogit_service.engine import Engine, Job, measure_fast_mode_deviation
 from oldlogit_service.numerics import HEAD_CHUNK_ROWS, SamplingParams

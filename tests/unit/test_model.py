@@ -7,6 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+
 from oldlogit.errors import WeightsMismatch
 from oldlogit_service.engine import Engine, Job
 from oldlogit_service.model import (
@@ -25,9 +29,6 @@ from oldlogit_service.model import (
     safetensors_dtype_name,
 )
 from oldlogit_service.reference import reference_logprobs
-from safetensors.torch import load_file, save_file
-from torch import nn
-from transformers import AutoModelForCausalLM
 
 
 def test_params_on_meta_keeps_buffers_real():

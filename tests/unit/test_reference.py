@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
 from oldlogit_service.numerics import SamplingParams, processed_logprobs
 from oldlogit_service.reference import reference_logprobs, reference_logprobs_versions
-from transformers import AutoModelForCausalLM
 
 NEG_INF = float("-inf")
 

@@ -12,8 +12,13 @@ from oldlogit_service.scheduler import BatchPolicy, WorkItem, pick_batch
 
 
 def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
-    return WorkItem(version=version, job=Any, future=Future(), enqueued_at=t,  # type: ignore[arg-type]
-                    ntokens=ntokens)
+    return WorkItem(
+        version=version,
+        job=Any,
+        future=Future(),
+        enqueued_at=t,  # type: ignore[arg-type]
+        ntokens=ntokens,
+    )
 
 
 def queues(*items: WorkItem) -> dict[int, deque[WorkItem]]:
@@ -61,7 +66,9 @@ def test_no_version_starves_under_a_stream_of_current_work() -> None:
     served: list[int] = []
     now = 0.0
     current = 5
-    for step in range(50):
+    steps = 0
+    for _ in range(50):
+        steps += 1
         q.setdefault(5, deque()).append(item(5, now))  # endless work for the current version
         now += 0.1
         picked = pick_batch(q, current=current, now=now, policy=POLICY)
@@ -71,7 +78,7 @@ def test_no_version_starves_under_a_stream_of_current_work() -> None:
         if 7 in served:
             break
     assert 7 in served
-    assert step <= 11  # served within max_switch_delay_s (+ one batch)
+    assert steps <= 12  # served within max_switch_delay_s (+ one batch)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from oldlogit.errors import (
     BadSampling,
     InvalidRequest,
@@ -13,11 +14,11 @@ from oldlogit.errors import (
     TokenOutOfVocab,
 )
 from oldlogit.types import LogprobsRequest, Sampling, Sequence
-
 from oldlogit_service.validate import Limits, plan_request
 
-LIMITS = Limits(vocab_size=100, max_seq_len=16, max_tokens_per_request=40,
-                max_sequences_per_request=3)
+LIMITS = Limits(
+    vocab_size=100, max_seq_len=16, max_tokens_per_request=40, max_sequences_per_request=3
+)
 
 
 def req(*seqs: Sequence, **kw: object) -> LogprobsRequest:
@@ -25,8 +26,9 @@ def req(*seqs: Sequence, **kw: object) -> LogprobsRequest:
 
 
 def test_policy_version_shorthand_plans_one_job() -> None:
-    (plan,) = plan_request(req(Sequence(token_ids=[1, 2, 3, 4, 5], policy_version=7,
-                                        score_from=2)), LIMITS)
+    (plan,) = plan_request(
+        req(Sequence(token_ids=[1, 2, 3, 4, 5], policy_version=7, score_from=2)), LIMITS
+    )
     assert list(plan.jobs) == [7]
     assert plan.jobs[7].tolist() == [2, 3, 4]
 
@@ -54,23 +56,40 @@ def test_nothing_scored_is_allowed() -> None:
     [
         (Sequence(token_ids=[1, 100], policy_version=0), TokenOutOfVocab, "sequences[0].token_ids"),
         (Sequence(token_ids=[-1, 2], policy_version=0), TokenOutOfVocab, "sequences[0].token_ids"),
-        (Sequence(token_ids=list(range(17)), policy_version=0), SequenceTooLong,
-         "sequences[0].token_ids"),
+        (
+            Sequence(token_ids=list(range(17)), policy_version=0),
+            SequenceTooLong,
+            "sequences[0].token_ids",
+        ),
         (Sequence(token_ids=[], policy_version=0), InvalidRequest, "sequences[0].token_ids"),
         (Sequence(token_ids=[1, 2]), MalformedVersions, "sequences[0].policy_version"),
-        (Sequence(token_ids=[1, 2], policy_version=-2), MalformedVersions,
-         "sequences[0].policy_version"),
-        (Sequence(token_ids=[1, 2], policy_version=1, score_from=3), MalformedVersions,
-         "sequences[0].score_from"),
+        (
+            Sequence(token_ids=[1, 2], policy_version=-2),
+            MalformedVersions,
+            "sequences[0].policy_version",
+        ),
+        (
+            Sequence(token_ids=[1, 2], policy_version=1, score_from=3),
+            MalformedVersions,
+            "sequences[0].score_from",
+        ),
         (Sequence(token_ids=[1, 2], versions=[1]), MalformedVersions, "sequences[0].versions"),
-        (Sequence(token_ids=[1, 2], versions=[1, -2]), MalformedVersions,
-         "sequences[0].versions"),
-        (Sequence(token_ids=[1, 2], versions=[1, 1], policy_version=1), MalformedVersions,
-         "sequences[0].versions"),
-        (Sequence(token_ids=[1, 2], versions=[1, 1], score_from=1), MalformedVersions,
-         "sequences[0].score_from"),
-        (Sequence(token_ids=[1, 2], policy_version=0, sampling=Sampling(top_p=0.0)), BadSampling,
-         "sequences[0].sampling.top_p"),
+        (Sequence(token_ids=[1, 2], versions=[1, -2]), MalformedVersions, "sequences[0].versions"),
+        (
+            Sequence(token_ids=[1, 2], versions=[1, 1], policy_version=1),
+            MalformedVersions,
+            "sequences[0].versions",
+        ),
+        (
+            Sequence(token_ids=[1, 2], versions=[1, 1], score_from=1),
+            MalformedVersions,
+            "sequences[0].score_from",
+        ),
+        (
+            Sequence(token_ids=[1, 2], policy_version=0, sampling=Sampling(top_p=0.0)),
+            BadSampling,
+            "sequences[0].sampling.top_p",
+        ),
     ],
 )
 def test_refusals_name_the_parameter(seq: Sequence, err: type[Exception], param: str) -> None:
@@ -93,8 +112,7 @@ def test_refusals_name_the_parameter(seq: Sequence, err: type[Exception], param:
 )
 def test_bad_sampling(sampling: Sampling, param: str) -> None:
     with pytest.raises(BadSampling) as info:
-        plan_request(req(Sequence(token_ids=[1, 2], policy_version=0), sampling=sampling),
-                     LIMITS)
+        plan_request(req(Sequence(token_ids=[1, 2], policy_version=0), sampling=sampling), LIMITS)
     assert info.value.parameter == param
 
 

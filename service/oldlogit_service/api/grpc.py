@@ -19,10 +19,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
 from oldlogit import convert
-from oldlogit._transport_grpc import SERVER_OPTIONS
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
+from oldlogit._transport_grpc import SERVER_OPTIONS
 from oldlogit.errors import (
     InternalError,
     InvalidRequest,
@@ -30,14 +31,18 @@ from oldlogit.errors import (
     OldLogitError,
     Overloaded,
 )
-
 from oldlogit_service.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "oldlogit.v1.OldLogit"
 _WRITE_METHODS = {
-    "DeleteVersion", "Publish", "PublishByPath", "SetWatermark", "CreateLease", "DeleteLease",
+    "DeleteVersion",
+    "Publish",
+    "PublishByPath",
+    "SetWatermark",
+    "CreateLease",
+    "DeleteLease",
 }
 
 
@@ -69,7 +74,7 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: OldLogitError
     await context.abort(getattr(grpc.StatusCode, err.grpc_status), err.message)
 
 
-class _Interceptor(grpc.aio.ServerInterceptor):
+class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Auth, error mapping and metrics for every OldLogit method, in one place."""
 
     def __init__(self, rt: Runtime) -> None:
@@ -88,7 +93,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):
                 return await inner(request, context)
             except OldLogitError as exc:
                 err = exc
-            except Exception as exc:  # noqa: BLE001 - the last resort: never a traceback
+            except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 logger.exception("unhandled error in %s", method)
@@ -127,7 +132,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-class OldLogitServicer(pb_grpc.OldLogitServicer):  # type: ignore[misc]
+class OldLogitServicer(pb_grpc.OldLogitServicer):
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
         self._max_upload = int(rt.settings.max_upload_gib * 1024**3)
@@ -163,13 +168,15 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):  # type: ignore[misc]
                 async for chunk in request_iterator:
                     if chunk.HasField("header"):
                         if header is not None:
-                            raise InvalidRequest("the publish stream holds two headers",
-                                                 parameter="header")
+                            raise InvalidRequest(
+                                "the publish stream holds two headers", parameter="header"
+                            )
                         header = chunk.header
                         continue
                     if header is None:
-                        raise InvalidRequest("the first publish chunk must carry the header",
-                                             parameter="header")
+                        raise InvalidRequest(
+                            "the first publish chunk must carry the header", parameter="header"
+                        )
                     size += len(chunk.data)
                     if size > self._max_upload:
                         raise LimitExceeded(
@@ -185,8 +192,9 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):  # type: ignore[misc]
                     parameter="delta",
                 )
             if size == 0:
-                raise InvalidRequest("the upload holds no data: send a safetensors file",
-                                     parameter="data")
+                raise InvalidRequest(
+                    "the upload holds no data: send a safetensors file", parameter="data"
+                )
             res = await self._rt.publish_file(
                 header.policy_version, tmp, sha256=header.sha256 or None, move=True
             )
@@ -197,8 +205,9 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):  # type: ignore[misc]
 
     async def PublishByPath(self, request: Any, context: Any) -> Any:
         if request.delta or request.HasField("parent"):
-            raise InvalidRequest("delta publishing is not enabled on this server",
-                                 parameter="delta")
+            raise InvalidRequest(
+                "delta publishing is not enabled on this server", parameter="delta"
+            )
         res = await self._rt.publish_path(
             request.policy_version, request.path, sha256=request.sha256 or None
         )
@@ -252,8 +261,11 @@ async def start_grpc_server(
     health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
-        (pb.DESCRIPTOR.services_by_name["OldLogit"].full_name, reflection.SERVICE_NAME,
-         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+        (
+            pb.DESCRIPTOR.services_by_name["OldLogit"].full_name,
+            reflection.SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        ),
         server,
     )
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -17,6 +17,9 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from oldlogit import wire
 from oldlogit.errors import (
     InternalError,
@@ -27,9 +30,6 @@ from oldlogit.errors import (
     Overloaded,
 )
 from oldlogit.types import Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from oldlogit_service import __version__
 from oldlogit_service.api.status_page import render_status_page
 from oldlogit_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -117,8 +117,9 @@ def create_app(rt: Runtime) -> FastAPI:
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return error_response(NotFound(f"no route {request.url.path}", parameter="path"))
-        err = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}",
-                             parameter="method")
+        err = InvalidRequest(
+            f"{request.method} {request.url.path}: {exc.detail}", parameter="method"
+        )
         resp = error_response(err)
         resp.status_code = exc.status_code if 400 <= exc.status_code < 500 else 400
         return resp
@@ -143,15 +144,17 @@ def create_app(rt: Runtime) -> FastAPI:
     async def read_body(request: Request, limit: int, what: str) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise LimitExceeded(f"the {what} is {declared} bytes; the limit is {limit}",
-                                parameter="body")
+            raise LimitExceeded(
+                f"the {what} is {declared} bytes; the limit is {limit}", parameter="body"
+            )
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise LimitExceeded(f"the {what} exceeds the limit of {limit} bytes",
-                                    parameter="body")
+                raise LimitExceeded(
+                    f"the {what} exceeds the limit of {limit} bytes", parameter="body"
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -203,8 +206,9 @@ def create_app(rt: Runtime) -> FastAPI:
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/octet-stream": {"schema": {"type": "string",
-                                                                    "format": "binary"}}},
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
             }
         },
     )
@@ -236,15 +240,19 @@ def create_app(rt: Runtime) -> FastAPI:
                         )
                     f.write(chunk)
             if size == 0:
-                raise InvalidRequest("the request body is empty: send a safetensors file",
-                                     parameter="body")
+                raise InvalidRequest(
+                    "the request body is empty: send a safetensors file", parameter="body"
+                )
             return await rt.publish_file(policy_version, tmp, sha256=sha256, move=True)
         finally:
             if tmp.exists():
                 os.unlink(tmp)
 
-    @app.post("/v1/versions", response_model=PublishResult,
-              summary="Publish a version from a path on storage the service can read")
+    @app.post(
+        "/v1/versions",
+        response_model=PublishResult,
+        summary="Publish a version from a path on storage the service can read",
+    )
     async def publish_by_path(request: Request, body: PublishByPathBody) -> PublishResult:
         auth(request, write=True)
         if body.delta or body.parent is not None:

@@ -24,9 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+LINTED := $(wildcard client service tests benchmarks examples scripts)
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check client service tests benchmarks examples scripts
-	$(VENV)/bin/ruff format --check client service tests benchmarks examples scripts
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -15,6 +15,25 @@ from typing import Any
 
 import pytest
 
+_FOLDER_MARKERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers by folder (tests/unit → ``unit`` …); ``gpu`` tests skip without CUDA."""
+    cuda: bool | None = None
+    for item in items:
+        parts = item.path.parts
+        for name in _FOLDER_MARKERS:
+            if name in parts:
+                item.add_marker(getattr(pytest.mark, name))
+        if item.get_closest_marker("gpu") is not None:
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:

@@ -34,6 +34,17 @@ NOT_SCORED = -1  # the per-token version that means "not scored" (typically the 
 
 
 def _as_int_array(value: Any) -> npt.NDArray[np.int64]:
+    # Validators may only raise ValueError (pydantic turns it into a validation error that
+    # names the field); anything else would surface as a 500.
+    try:
+        return _to_int_array(value)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"expected a list of integers ({type(exc).__name__})") from exc
+
+
+def _to_int_array(value: Any) -> npt.NDArray[np.int64]:
     if isinstance(value, np.ndarray):
         arr = value
     elif hasattr(value, "detach") and hasattr(
@@ -41,30 +52,42 @@ def _as_int_array(value: Any) -> npt.NDArray[np.int64]:
     ):  # a torch tensor, without importing torch
         arr = value.detach().cpu().numpy()
     else:
-        if isinstance(value, (str, bytes, dict)):
+        if value is None or isinstance(value, (str, bytes, dict, int, float)):
             raise ValueError("expected a list of integers")
-        arr = np.asarray(list(value))
+        items = list(value)
+        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in items):
+            raise ValueError("expected a list of integers")
+        arr = np.asarray(items) if items else np.zeros(0, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"expected a 1-D array of integers, got shape {tuple(arr.shape)}")
-    if arr.size and arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "b" or arr.dtype == object:
-            raise ValueError("expected integers")
-        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
-            raise ValueError("expected integers")
-        if arr.dtype.kind not in "f":
-            raise ValueError("expected integers")
-    if arr.size and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+    if (
+        arr.size
+        and arr.dtype.kind not in "iu"
+        and (arr.dtype.kind != "f" or not np.all(np.isfinite(arr) & (arr == np.round(arr))))
+    ):
+        raise ValueError("expected integers")
+    if arr.size and arr.dtype == object:
+        raise ValueError("integer out of range")
+    lim = np.iinfo(np.int64)
+    if arr.size and (arr.max() > lim.max or arr.min() < lim.min):
         raise ValueError("integer out of range")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _as_float_array(value: Any) -> npt.NDArray[np.float32]:
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif hasattr(value, "detach") and hasattr(value, "cpu"):
-        arr = value.detach().cpu().float().numpy()
-    else:
-        arr = np.asarray([_float_from_wire(v) for v in value], dtype=np.float32)
+    try:
+        if isinstance(value, np.ndarray):
+            arr = value
+        elif hasattr(value, "detach") and hasattr(value, "cpu"):
+            arr = value.detach().cpu().float().numpy()
+        else:
+            if value is None or isinstance(value, (str, bytes, dict)):
+                raise ValueError("expected a list of numbers")
+            arr = np.asarray([_float_from_wire(v) for v in value], dtype=np.float32)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"expected a list of numbers ({type(exc).__name__})") from exc
     if arr.ndim != 1:
         raise ValueError(f"expected a 1-D array of floats, got shape {tuple(arr.shape)}")
     return np.ascontiguousarray(arr, dtype=np.float32)

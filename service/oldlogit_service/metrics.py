@@ -146,6 +146,11 @@ class Metrics:
         self.publishes = Counter(
             "oldlogit_publishes", "Publishes by outcome code", ["code"], registry=r
         )
+        # Export the success series from the start, so dashboards and alerts see zeros.
+        self.publish_seconds.labels("ok")
+        self.publishes.labels("ok")
+        for source in ("forward", "cache"):
+            self.scored.labels(source)
 
     def attach_state(self, read: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(read))

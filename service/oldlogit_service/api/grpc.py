@@ -159,7 +159,7 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
 
     async def Publish(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         header = None
-        incoming = self._rt.settings.snapshot_dir / "incoming"
+        incoming = self._rt.store.staging_dir  # same filesystem: publish is a rename
         incoming.mkdir(parents=True, exist_ok=True)
         tmp = incoming / f"upload-grpc-{uuid.uuid4().hex}.safetensors.part"
         size = 0

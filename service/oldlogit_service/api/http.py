@@ -225,7 +225,7 @@ def create_app(rt: Runtime) -> FastAPI:
                 "delta publishing is not enabled on this server; upload full weights",
                 parameter="delta",
             )
-        incoming = s.snapshot_dir / "incoming"
+        incoming = rt.store.staging_dir  # same filesystem as the snapshots: a rename, no copy
         incoming.mkdir(parents=True, exist_ok=True)
         tmp = incoming / f"upload-{policy_version}-{uuid.uuid4().hex}.safetensors.part"
         size = 0

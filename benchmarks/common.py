@@ -1,0 +1,118 @@
+"""Shared benchmark plumbing: a server subprocess, timing with warm-up, result tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    goal: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def timed(fn: Callable[[], Any], *, reps: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "spread": (max(times) - min(times)) / statistics.median(times) if times else 0.0,
+    }
+
+
+class ServerProcess:
+    """`oldlogit serve` in a subprocess; the ports come from its `http=`/`grpc=` lines."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "oldlogit_service.cli",
+            "serve",
+            *args,
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--log-level",
+            "WARNING",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.ports: dict[str, str] = {}
+        self.lines: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        end = time.monotonic() + 300
+        while len(self.ports) < 2:
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.proc.kill()
+                raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-30:]))
+            time.sleep(0.05)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            m = re.fullmatch(r"(http|grpc)=(\S+)", line.strip())
+            if m:
+                self.ports[m.group(1)] = m.group(2)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.ports['grpc']}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def write_results(out_dir: Path, figures: list[Figure], meta: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps({"meta": meta, "figures": [asdict(f) for f in figures]}, indent=2))
+    return path
+
+
+def print_table(figures: list[Figure]) -> None:
+    w = max(len(f.name) for f in figures)
+    print(f"{'figure':<{w}}  {'value':>10}  {'unit':<10}  goal")
+    for f in figures:
+        print(f"{f.name:<{w}}  {f.value:>10.3f}  {f.unit:<10}  {f.goal}")

@@ -1,0 +1,29 @@
+"""`oldlogit bench --smoke` runs end to end in seconds, so the suite cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "oldlogit_service.cli", "bench", "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads((tmp_path / "results.json").read_text())
+    names = [f["name"] for f in data["figures"]]
+    assert any(n.startswith("P1 grpc") for n in names)
+    assert all(f["value"] > 0 for f in data["figures"])

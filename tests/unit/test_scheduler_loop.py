@@ -1,0 +1,183 @@
+"""The scheduler loop with a recording fake engine and store (pure loop logic, no model)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from oldlogit.errors import DeadlineExceeded, InternalError, Overloaded, UnknownVersion
+from oldlogit_service.engine import Job
+from oldlogit_service.numerics import SamplingParams
+from oldlogit_service.scheduler import BatchPolicy, Scheduler
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.acquired: list[int] = []
+
+    @contextmanager
+    def acquire(self, version: int) -> Iterator[Mapping[str, Any]]:
+        if version == 404:
+            raise UnknownVersion("no version 404", parameter="policy_version")
+        self.acquired.append(version)
+        yield {"version": version}
+
+
+class FakeEngine:
+    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.calls: list[tuple[int, list[int]]] = []
+        self.delay_s = delay_s
+        self.fail = fail
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def run(self, weights: Mapping[str, Any], jobs: Sequence[Job]) -> list[torch.Tensor]:
+        self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("kaboom")
+        time.sleep(self.delay_s)
+        self.calls.append((weights["version"], [int(j.token_ids[0]) for j in jobs]))
+        # The "logprob" of each job is its version and first token, to check routing.
+        return [
+            torch.full((len(j.positions),), float(weights["version"] * 1000 + int(j.token_ids[0])))
+            for j in jobs
+        ]
+
+
+def job(tag: int, n: int = 4) -> Job:
+    ids = torch.tensor([tag] + [1] * (n - 1))
+    return Job(token_ids=ids, positions=torch.arange(1, n), sampling=SamplingParams())
+
+
+def make(engine: FakeEngine, **kw: Any) -> tuple[Scheduler, FakeStore]:
+    store = FakeStore()
+    policy = BatchPolicy(
+        max_batch_tokens=kw.pop("max_batch_tokens", 64), max_wait_s=kw.pop("max_wait_s", 0.01)
+    )
+    sched = Scheduler(engine, store, policy=policy, max_queue=kw.pop("max_queue", 100))  # type: ignore[arg-type]
+    return sched, store
+
+
+def test_results_route_back_and_batches_never_mix_versions() -> None:
+    engine = FakeEngine()
+    sched, _ = make(engine)
+    try:
+        futs = [(v, t, sched.submit(v, job(t))) for t in range(30) for v in (1, 2, 3)]
+        for v, t, f in futs:
+            assert f.result(10).tolist() == [float(v * 1000 + t)] * 3
+        assert all(tags for _, tags in engine.calls)
+        # Each engine call is one version: check via the values each job got (above) and that
+        # grouping happened (fewer calls than jobs).
+        assert len(engine.calls) < len(futs)
+    finally:
+        sched.close()
+
+
+def test_cancelled_requests_are_dropped() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()  # hold the first batch so the rest queue up
+    sched, _ = make(engine, max_wait_s=0.0, max_batch_tokens=4)
+    try:
+        first = sched.submit(1, job(0))
+        time.sleep(0.05)
+        doomed = [sched.submit(1, job(t)) for t in range(1, 6)]
+        kept = sched.submit(1, job(9))
+        for f in doomed:
+            assert f.cancel()
+        engine.gate.set()
+        assert kept.result(10).tolist()[0] == 1009.0
+        first.result(10)
+        ran = [t for _, tags in engine.calls for t in tags]
+        assert not set(ran) & {1, 2, 3, 4, 5}
+    finally:
+        sched.close()
+
+
+def test_expired_deadline_fails_without_running() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()
+    sched, _ = make(engine, max_wait_s=0.0, max_batch_tokens=4)
+    try:
+        blocker = sched.submit(1, job(0))
+        time.sleep(0.05)
+        late = sched.submit(1, job(5), deadline=time.monotonic() + 0.01)
+        time.sleep(0.05)
+        engine.gate.set()
+        with pytest.raises(DeadlineExceeded):
+            late.result(10)
+        blocker.result(10)
+        assert all(5 not in tags for _, tags in engine.calls)
+    finally:
+        sched.close()
+
+
+def test_bounded_queue_answers_overloaded_with_retry_after() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()
+    sched, _ = make(engine, max_queue=3, max_wait_s=0.0, max_batch_tokens=4)
+    try:
+        sched.submit(1, job(0))
+        time.sleep(0.05)  # taken by the worker, now blocked in the engine
+        for t in range(3):
+            sched.submit(1, job(t))
+        with pytest.raises(Overloaded) as info:
+            sched.submit(1, job(7))
+        assert info.value.retry_after_s > 0
+    finally:
+        engine.gate.set()
+        sched.close()
+
+
+def test_failed_batch_fails_its_requests_and_the_loop_lives_on() -> None:
+    engine = FakeEngine(fail=True)
+    sched, _ = make(engine)
+    try:
+        bad = [sched.submit(1, job(t)) for t in range(3)]
+        for f in bad:
+            with pytest.raises(InternalError):
+                f.result(10)
+        missing = sched.submit(404, job(1))
+        with pytest.raises(UnknownVersion):
+            missing.result(10)
+        engine.fail = False
+        assert sched.submit(2, job(3)).result(10).tolist()[0] == 2003.0
+    finally:
+        sched.close()
+
+
+def test_drain_waits_for_queued_work_and_close_fails_the_rest() -> None:
+    engine = FakeEngine(delay_s=0.02)
+    sched, _ = make(engine, max_batch_tokens=4)
+    futs = [sched.submit(1, job(t)) for t in range(10)]
+    assert sched.drain(10)
+    assert all(f.done() and f.exception() is None for f in futs)
+    sched.close()
+    from oldlogit.errors import Unavailable
+
+    with pytest.raises(Unavailable):
+        sched.submit(1, job(1))
+
+
+def test_version_switches_are_minimised() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()
+    sched, store = make(engine, max_wait_s=0.0, max_batch_tokens=8)
+    try:
+        sched.submit(1, job(0))
+        time.sleep(0.05)
+        futs = [sched.submit(v, job(t)) for t in range(1, 9) for v in (1, 2)]  # interleaved
+        engine.gate.set()
+        for f in futs:
+            f.result(10)
+        acq = store.acquired
+        switches = sum(1 for a, b in itertools.pairwise(acq) if a != b)
+        assert switches <= 2, store.acquired
+    finally:
+        sched.close()

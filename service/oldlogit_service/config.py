@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GIB = 1024**3
@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     cache_redis_url: str | None = None
     # Auth.
-    write_token: str | None = None
-    read_token: str | None = None
+    # Secrets: never shown by repr() or logs; compared in constant time (runtime.authorize).
+    write_token: SecretStr | None = None
+    read_token: SecretStr | None = None
     # Batching and limits.
     max_wait_ms: float = Field(2.0, ge=0)
     max_batch_tokens: int = Field(65536, ge=1)

@@ -60,6 +60,14 @@ class _StateCollector(Collector):
             "Newest published version (-1: none)",
             value=float(s.get("newest", -1)),
         )
+        resident = GaugeMetricFamily(
+            "oldlogit_newest_resident_version",
+            "Newest version resident in a memory tier (-1: none)",
+            labels=["tier"],
+        )
+        for tier, v in s.get("newest_resident", {}).items():
+            resident.add_metric([tier], float(v))
+        yield resident
         yield GaugeMetricFamily(
             "oldlogit_watermark",
             "Retention watermark (-1: none)",

@@ -43,6 +43,7 @@ from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCache
 from oldlogit_service.config import Settings
 from oldlogit_service.engine import Engine, Job, SamplingParams
+from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics
 from oldlogit_service.model import LoadedModel
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
@@ -116,6 +117,7 @@ class Runtime:
         self._ready = True
         self._draining = False
         self.metrics.attach_state(self.state)
+        self.history = History()  # the status page's charts; `serve` runs its sampler
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -139,13 +141,21 @@ class Runtime:
         st["queue_tokens"] = self.scheduler.queued_tokens
         st["cache"] = self.cache.stats()
         st["ready"] = 1 if self.ready else 0
+        # Newest version held in each memory tier (-1: none), against "newest" (published).
+        records = self.store.versions()
+        st["newest_resident"] = {
+            t: max((int(r.version) for r in records if t in r.tiers), default=-1)
+            for t in ("device", "host")
+        }
         return st
 
     # -- auth ----------------------------------------------------------------------------
     def authorize(self, *, write: bool, token: str | None, peer: str | None) -> None:
         """Check the bearer token; called by both transports before any operation."""
         s = self.settings
-        expected = s.write_token if write else (s.read_token or None)
+        write_token = s.write_token.get_secret_value() if s.write_token else None
+        read_token = s.read_token.get_secret_value() if s.read_token else None
+        expected = write_token if write else read_token
         if write and expected is None:
             # No write token configured: writes are bound to loopback only.
             if peer is not None and not peer.startswith(_LOOPBACK):
@@ -157,8 +167,8 @@ class Runtime:
         if not write and expected is None:
             return
         ok = token is not None and hmac.compare_digest(token.encode(), (expected or "").encode())
-        if not ok and not write and s.write_token is not None and token is not None:
-            ok = hmac.compare_digest(token.encode(), s.write_token.encode())
+        if not ok and not write and write_token is not None and token is not None:
+            ok = hmac.compare_digest(token.encode(), write_token.encode())
         if not ok:
             raise Unauthorized(
                 "missing or wrong bearer token" + (" for writes" if write else ""),
@@ -294,7 +304,17 @@ class Runtime:
                 "publish by path is disabled: start the service with --publish-root DIR",
                 parameter="path",
             )
-        target = Path(path).resolve()  # symlinks resolved: no escaping a root through a link
+        if not path or "\x00" in path or len(path) > 4096:
+            raise InvalidRequest(
+                "path must be a non-empty file system path (no NUL bytes, at most 4096 chars)",
+                parameter="path",
+            )
+        try:
+            target = Path(path).resolve()  # symlinks resolved: no escaping a root via a link
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise InvalidRequest(
+                f"path {path!r} cannot be resolved: {exc}", parameter="path"
+            ) from exc
         if not any(target == r or target.is_relative_to(r) for r in roots):
             raise Forbidden(
                 f"path {path!r} is not under a configured publish root", parameter="path"

@@ -28,6 +28,7 @@ from oldlogit_service.cache import ResultCache
 from oldlogit_service.config import Settings
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
 from oldlogit_service.engine import Engine
+from oldlogit_service.history import sample_forever
 from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir, resolve_device
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.snapshots import SnapshotStore
@@ -129,6 +130,7 @@ async def serve(
     http_server = _Uvicorn(config)
     grpc_server, grpc_port, health = await start_grpc_server(rt, settings.host, settings.grpc_port)
     http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
+    sampler = asyncio.create_task(sample_forever(rt.history, rt.metrics.registry))
     while not http_server.started and not http_task.done():
         await asyncio.sleep(0.01)
     if http_task.done():
@@ -150,6 +152,7 @@ async def serve(
         http_server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_task, timeout=settings.drain_timeout_s + 5)
+        sampler.cancel()
         rt.close()
 
 

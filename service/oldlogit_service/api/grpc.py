@@ -74,6 +74,41 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: OldLogitError
     await context.abort(getattr(grpc.StatusCode, err.grpc_status), err.message)
 
 
+class _Undecodable:
+    """Stands in for a message whose bytes did not parse, so the error reaches our mapping
+    (grpc would otherwise answer INTERNAL from inside its deserializer)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(
+            f"the request body is not a valid protobuf message of this method's type "
+            f"({type(self.exc).__name__})",
+            parameter="body",
+        )
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:
+            return _Undecodable(exc)
+
+    return parse
+
+
+async def _checked_stream(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for item in stream:
+        if isinstance(item, _Undecodable):
+            raise item.error()
+        yield item
+
+
 class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Auth, error mapping and metrics for every OldLogit method, in one place."""
 
@@ -90,6 +125,10 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             err: OldLogitError | None = None
             try:
                 rt.authorize(write=write, token=_token(context), peer=_peer_host(context.peer()))
+                if isinstance(request, _Undecodable):
+                    raise request.error()
+                if hasattr(request, "__aiter__"):
+                    request = _checked_stream(request)
                 return await inner(request, context)
             except OldLogitError as exc:
                 err = exc
@@ -117,16 +156,17 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None or not path.startswith(f"/{SERVICE}/"):
             return handler
         method = path.rsplit("/", 1)[-1]
+        deserializer = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
                 self._wrap(method, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler

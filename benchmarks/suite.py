@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import serving
+from benchmarks import serving, soak
 from benchmarks.common import print_table, write_results
 
-FIGURES = {"serving": serving}
+FIGURES = {"serving": serving, "soak": soak}
+DEFAULT = ["serving"]  # the soak runs for minutes: ask for it by name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,14 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for CI")
     serving.add_args(p)
+    soak.add_args(p)
     args = p.parse_args(argv)
-    args.figures = args.figures or list(FIGURES)
+    args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
     if unknown:
         p.error(f"unknown figures {unknown}; choose from {sorted(FIGURES)}")
     if args.smoke:
         args.hidden, args.layers, args.vocab = 64, 2, 512
         args.seqs, args.seq_len, args.concurrency, args.single_len, args.reps = 4, 64, 4, 16, 1
+        args.duration_s, args.capacity_s, args.publish_every_s = 8.0, 3.0, 1.0
     figures = []
     for name in args.figures:
         figures.extend(FIGURES[name].run(args))

@@ -64,6 +64,15 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("--drain-timeout-s", {"type": float}),
+    (
+        "--ewma-beta",
+        {
+            "type": float,
+            "metavar": "BETA",
+            "help": "serve the approximate EWMA proxy policy (proxy='ewma', and allow_inexact "
+            "when a version is gone) with this decay in (0, 1); off by default",
+        },
+    ),
     ("--log-level", {"help": "DEBUG, INFO, WARNING, ERROR"}),
 ]
 

@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     publish_roots: list[Path] = Field(default_factory=list)  # publish-by-path allowed under these
     drain_timeout_s: float = Field(30.0, ge=0)
     log_level: str = "INFO"
+    # Approximate answers (never exact): the EWMA proxy policy's decay; None disables it.
+    ewma_beta: float | None = Field(None, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from oldlogit.errors import (
     OldLogitError,
     Unauthorized,
     Unavailable,
+    UnknownVersion,
+    VersionEvicted,
 )
 from oldlogit.types import (
     Info,
@@ -43,6 +46,7 @@ from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCache
 from oldlogit_service.config import Settings
 from oldlogit_service.engine import Engine, Job, SamplingParams
+from oldlogit_service.ewma import EwmaProxy, EwmaSnapshot
 from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics
 from oldlogit_service.model import LoadedModel
@@ -87,8 +91,10 @@ class Runtime:
         engine: Engine,
         cache: ResultCache,
         metrics: Metrics | None = None,
+        ewma: EwmaProxy | None = None,
     ) -> None:
         self.settings = settings
+        self.ewma = ewma  # the approximate proxy policy; None unless --ewma-beta
         self.model = model
         self.store = store
         self.engine = engine
@@ -134,6 +140,8 @@ class Runtime:
     def close(self) -> None:
         self._ready = False
         self.scheduler.close()
+        if self.ewma is not None:
+            self.ewma.close()
 
     def state(self) -> dict[str, Any]:
         st: dict[str, Any] = dict(self.store.stats())
@@ -179,16 +187,16 @@ class Runtime:
     async def logprobs(self, req: LogprobsRequest) -> LogprobsResponse:
         if self._draining:
             raise Unavailable("the service is draining for shutdown", retry_after_s=1.0)
-        if req.proxy is not None:
+        if req.proxy is not None and self.ewma is None:
             raise InvalidRequest(
-                f"proxy={req.proxy!r} is not enabled on this deployment", parameter="proxy"
+                f"proxy={req.proxy!r} is not enabled on this deployment: start the service "
+                "with --ewma-beta",
+                parameter="proxy",
             )
         plans = plan_request(req, self.limits)
         timeout = req.timeout_s or self.settings.request_timeout_s
         deadline = time.monotonic() + timeout
-        hashes: dict[int, str] = {}
-        for v in {v for p in plans for v in p.jobs}:
-            hashes[v] = self.store.sha256(v)  # UnknownVersion / VersionEvicted
+        hashes, proxied, snap = self._resolve(req, {v for p in plans for v in p.jobs})
         pending: list[_Pending] = []
         for plan in plans:
             sp = plan.sampling
@@ -215,7 +223,11 @@ class Runtime:
                             top_p=float(p.plan.sampling.top_p),
                         ),
                     )
-                    p.future = self.scheduler.submit(p.version, job, deadline=deadline)
+                    if p.version in proxied:
+                        assert self.ewma is not None and snap is not None  # see _resolve
+                        p.future = self.ewma.submit(snap, job)
+                    else:
+                        p.future = self.scheduler.submit(p.version, job, deadline=deadline)
             waits = [asyncio.wrap_future(p.future) for p in pending if p.future is not None]
             if waits:
                 try:
@@ -236,10 +248,44 @@ class Runtime:
             for p in pending:  # cancelled or failed requests leave nothing queued behind
                 if p.future is not None and not p.future.done():
                     p.future.cancel()
-        return LogprobsResponse(results=self._stitch(plans, pending, hashes))
+        return LogprobsResponse(results=self._stitch(plans, pending, hashes, proxied))
+
+    def _resolve(
+        self, req: LogprobsRequest, versions: set[int]
+    ) -> tuple[dict[int, str], set[int], EwmaSnapshot | None]:
+        """Each version's weight hash, and which versions the EWMA proxy answers instead.
+
+        A proxied version reports the hash of the EWMA weights it was computed with (under the
+        requested version's key) and makes its sequences ``exact=false``. The proxy answers
+        only versions it has folded in: a version never published stays ``UnknownVersion``.
+        """
+        snap = self.ewma.snapshot() if self.ewma is not None else None  # one view per request
+        hashes: dict[int, str] = {}
+        proxied: set[int] = set()
+        for v in versions:
+            if req.proxy is None:
+                try:
+                    hashes[v] = self.store.sha256(v)
+                    continue
+                except (UnknownVersion, VersionEvicted):
+                    if not req.allow_inexact or snap is None or not 0 <= v <= snap.last_version:
+                        raise  # exact or nothing, unless the request opted in
+            elif snap is None or v > snap.last_version:
+                raise UnknownVersion(
+                    f"policy_version {v} is newer than the EWMA proxy "
+                    f"(last folded: {snap.last_version if snap else 'none'})",
+                    parameter="policy_version",
+                )
+            hashes[v] = snap.sha256
+            proxied.add(v)
+        return hashes, proxied, snap
 
     def _stitch(
-        self, plans: list[SequencePlan], pending: list[_Pending], hashes: Mapping[int, str]
+        self,
+        plans: list[SequencePlan],
+        pending: list[_Pending],
+        hashes: Mapping[int, str],
+        proxied: AbstractSet[int] = frozenset(),
     ) -> list[SequenceResult]:
         by_plan: dict[int, list[_Pending]] = {}
         for p in pending:
@@ -262,7 +308,7 @@ class Runtime:
                     logprobs=lp,
                     versions=versions,
                     weight_sha256={v: hashes[v] for v in versions},
-                    exact=True,
+                    exact=not any(v in proxied for v in versions),
                     cached=bool(parts) and all(p.future is None for p in parts),
                 )
             )
@@ -339,6 +385,11 @@ class Runtime:
         finally:
             self.metrics.publishes.labels(code).inc()
             self.metrics.publish_seconds.labels(code).observe(time.perf_counter() - start)
+        if self.ewma is not None:
+            try:  # the version is visible already; a failed fold is retried on the next publish
+                await asyncio.to_thread(self.ewma.catch_up, self.store)
+            except Exception:
+                logger.exception("ewma: folding in version %s failed", out.version)
         return PublishResult(
             policy_version=int(out.version),
             weight_sha256=str(out.sha256),

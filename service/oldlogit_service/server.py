@@ -28,6 +28,7 @@ from oldlogit_service.cache import ResultCache
 from oldlogit_service.config import Settings
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
 from oldlogit_service.engine import Engine
+from oldlogit_service.ewma import EwmaProxy
 from oldlogit_service.history import sample_forever
 from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir, resolve_device
 from oldlogit_service.runtime import Runtime
@@ -72,7 +73,19 @@ def build_runtime(settings: Settings) -> Runtime:
                 store.publish(0, weights)
     engine = Engine(model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
     cache = ResultCache(settings.cache_budget_bytes)
-    return Runtime(settings, model, store, engine, cache)
+    ewma = None
+    if settings.ewma_beta is not None:
+        # A second skeleton (no parameter memory) and engine: the scheduler's are not shared.
+        proxy_model = load_model(model_dir, dtype=dtype, device=device)
+        proxy_engine = Engine(proxy_model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
+        ewma = EwmaProxy(
+            proxy_model,
+            proxy_engine,
+            beta=settings.ewma_beta,
+            state_dir=settings.snapshot_dir / "ewma",
+        )
+        ewma.catch_up(store)  # versions published before (or while it was off)
+    return Runtime(settings, model, store, engine, cache, ewma=ewma)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -26,4 +26,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     names = [f["name"] for f in data["figures"]]
     assert any(n.startswith("P1 grpc") for n in names)
-    assert all(f["value"] > 0 for f in data["figures"])
+    by_name = {f["name"]: f for f in data["figures"]}
+    assert by_name["in-process engine"]["value"] > 0
+    # The soak's short configuration: publishes, evictions, load; zero errors.
+    assert by_name["soak errors"]["value"] == 0, by_name["soak errors"]["detail"]["errors"]
+    assert by_name["soak errors"]["detail"]["requests"] > 20

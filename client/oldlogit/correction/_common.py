@@ -1,5 +1,6 @@
 """Shared plumbing of the correction toolkit: the lazy torch import, input coercion, masked sums.
 
+torch is imported inside each function (``import oldlogit.correction`` must not pull it in).
 Inputs may be torch tensors or numpy arrays (the client's results: float32, NaN where not
 scored); everything becomes a torch tensor on the device of the trainer's tensor. Masked
 reductions select with ``torch.where`` before reducing, never multiply by the mask: a NaN or
@@ -23,21 +24,10 @@ logger = logging.getLogger(__name__)
 SAFETY_BOUND = 20.0
 
 
-def require_torch() -> Any:
-    """The torch module, imported on first use so that ``import oldlogit`` stays torch-free."""
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is in every test environment
-        raise ImportError(
-            "oldlogit.correction runs on the trainer's torch tensors: install torch "
-            "(the oldlogit client itself does not need it)"
-        ) from exc
-    return torch
-
-
 def as_float(x: Any, *, like: Tensor | None = None, name: str) -> Tensor:
     """``x`` as a floating tensor (at least float32) on ``like``'s device; grad is kept."""
-    torch = require_torch()
+    import torch
+
     if isinstance(x, torch.Tensor):
         t = x
     else:
@@ -57,7 +47,8 @@ def as_float(x: Any, *, like: Tensor | None = None, name: str) -> Tensor:
 
 def as_mask(mask: Any, shape: torch.Size, *, like: Tensor, name: str = "mask") -> Tensor:
     """``mask`` as a bool tensor of ``shape`` (None: everything), nonzero meaning selected."""
-    torch = require_torch()
+    import torch
+
     if mask is None:
         return torch.ones(shape, dtype=torch.bool, device=like.device)
     m = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
@@ -85,7 +76,8 @@ def check_positive(value: float, name: str) -> float:
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    torch = require_torch()
+    import torch
+
     picked = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return picked.sum() if dim is None else picked.sum(dim)
 

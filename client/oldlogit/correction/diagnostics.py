@@ -25,7 +25,6 @@ from oldlogit.correction._common import (
     masked_count,
     masked_mean,
     masked_sum,
-    require_torch,
 )
 
 if TYPE_CHECKING:
@@ -71,7 +70,8 @@ def term_metrics(
     - ``num_tokens``, ``num_sequences`` (non-empty ones)
     Means are over selected tokens; sequence means over non-empty sequences (last dimension).
     """
-    torch = require_torch()
+    import torch
+
     thr = check_positive(threshold, "threshold")
     num = as_float(numerator, name="numerator").detach().double()
     den = as_float(denominator, like=num, name="denominator").detach().double()
@@ -201,47 +201,47 @@ def health_flags(
         if metrics.get(p + "num_tokens", 0.0) <= 0:
             continue
         term = "staleness" if p == STALENESS_PREFIX else "discrepancy"
-
-        def check(name: str, key: str, bad: bool, bound: str, why: str) -> None:
-            if bad:
-                value = float(metrics[p + key])
-                flags.append(HealthFlag(name, p + key, value, bound, f"{term}: {why}"))
-
         mean = metrics.get(p + "rollout_is_mean", 1.0)
-        check(
-            "weight_mean_out_of_range",
-            "rollout_is_mean",
-            not (t.weight_mean_low <= mean <= t.weight_mean_high),
-            f"{t.weight_mean_low} <= rollout_is_mean <= {t.weight_mean_high}",
-            "the mean ratio is far from 1",
-        )
         ess = metrics.get(p + "rollout_is_eff_sample_size", 1.0)
-        check(
-            "ess_low",
-            "rollout_is_eff_sample_size",
-            ess < t.ess_min,
-            f"rollout_is_eff_sample_size >= {t.ess_min}",
-            "a few tokens dominate the weights",
-        )
         kl = metrics.get(p + "kl", 0.0)
-        check("kl_high", "kl", abs(kl) > t.abs_kl_max, f"|kl| <= {t.abs_kl_max}", "large KL")
         chi2 = metrics.get(p + "chi2_token", 0.0)
-        check(
-            "chi2_high",
-            "chi2_token",
-            chi2 > t.chi2_token_max,
-            f"chi2_token <= {t.chi2_token_max}",
-            "high-variance importance weights",
-        )
         lo, hi = metrics.get(p + "rollout_is_min", 0.0), metrics.get(p + "rollout_is_max", 0.0)
-        why = (
+        one = (
             "pi_theta == pi_old on every token: 'old' was recomputed at the current weights, "
             "so clipping does nothing"
             if p == STALENESS_PREFIX
             else "pi_old == mu on every token: 'old' is the behaviour logprobs, so the "
             "train-inference mismatch sits inside the trust region"
         )
-        check("ratio_identically_one", "rollout_is_max", lo == 1.0 == hi, "some ratio != 1", why)
+        checks = [  # (name, metric, bad, bound, why)
+            (
+                "weight_mean_out_of_range",
+                "rollout_is_mean",
+                not (t.weight_mean_low <= mean <= t.weight_mean_high),
+                f"{t.weight_mean_low} <= rollout_is_mean <= {t.weight_mean_high}",
+                "the mean ratio is far from 1",
+            ),
+            (
+                "ess_low",
+                "rollout_is_eff_sample_size",
+                ess < t.ess_min,
+                f"rollout_is_eff_sample_size >= {t.ess_min}",
+                "a few tokens dominate the weights",
+            ),
+            ("kl_high", "kl", abs(kl) > t.abs_kl_max, f"|kl| <= {t.abs_kl_max}", "large KL"),
+            (
+                "chi2_high",
+                "chi2_token",
+                chi2 > t.chi2_token_max,
+                f"chi2_token <= {t.chi2_token_max}",
+                "high-variance importance weights",
+            ),
+            ("ratio_identically_one", "rollout_is_max", lo == 1.0 == hi, "some ratio != 1", one),
+        ]
+        for name, key, bad, bound, why in checks:
+            if bad:
+                value = float(metrics[p + key])
+                flags.append(HealthFlag(name, p + key, value, bound, f"{term}: {why}"))
     for f in flags:
         logger.debug("health flag %s: %s = %g (%s)", f.name, f.metric, f.value, f.bound)
     return flags

@@ -21,7 +21,6 @@ from oldlogit.correction._common import (
     masked_count,
     masked_mean,
     masked_sum,
-    require_torch,
 )
 from oldlogit.errors import InvalidRequest
 
@@ -65,7 +64,8 @@ def decoupled_ppo_loss(
     active one), ``actor/pg_clipfrac_lower`` (tokens where the dual clip is active),
     ``actor/ppo_kl`` (mean of −log ρ_stale, the k1 estimate of KL(π_old ‖ π_θ)).
     """
-    torch = require_torch()
+    import torch
+
     eps_low = check_positive(clip_low, "clip_low")
     eps_high = eps_low if clip_high is None else check_positive(clip_high, "clip_high")
     if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oldlogit.correction._common import masked_count, masked_mean, require_torch
+from oldlogit.correction._common import masked_count, masked_mean
 from oldlogit.correction.diagnostics import (
     DISCREPANCY_PREFIX,
     STALENESS_PREFIX,
@@ -84,7 +84,8 @@ def corrected_ppo_loss(
     passing μ or a recomputation at the current weights works too, and the health flags then
     say which term collapsed to 1.
     """
-    torch = require_torch()
+    import torch
+
     c = config
     lr = log_ratios(current, old, behaviour, mask)
     keep = lr.mask
@@ -147,7 +148,8 @@ def corrected_ppo_loss(
 
 def _seq_fraction(dropped: Tensor, mask: Tensor) -> float:
     """Fraction of non-empty sequences with at least one dropped token."""
-    torch = require_torch()
+    import torch
+
     if dropped.dim() == 0:
         return float(dropped)
     nonempty = masked_count(mask, dim=-1) > 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from oldlogit.correction._common import as_float, check_same_shape, require_torch
+from oldlogit.correction._common import as_float, check_same_shape
 from oldlogit.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ def approx_loglinear_proximal(
     assumes log-probabilities move linearly in the version number and that μ is the
     training-side policy at v, i.e. it ignores the train–inference discrepancy altogether.
     """
-    torch = require_torch()
+    import torch
+
     if isinstance(current_version, bool) or not isinstance(current_version, int):
         raise InvalidRequest(
             f"current_version must be an integer, got {current_version!r}",

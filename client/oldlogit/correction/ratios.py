@@ -17,7 +17,6 @@ from oldlogit.correction._common import (
     as_float,
     as_mask,
     check_same_shape,
-    require_torch,
 )
 
 if TYPE_CHECKING:
@@ -51,7 +50,8 @@ def log_ratio(numerator: Any, denominator: Any, mask: Any = None) -> tuple[Tenso
     a token impossible on both sides) is dropped from the returned mask. ``mask`` None selects
     every defined entry — handy for the client's arrays, NaN where not scored.
     """
-    torch = require_torch()
+    import torch
+
     like = numerator if isinstance(numerator, torch.Tensor) else None
     num = as_float(numerator, like=like, name="numerator")
     den = as_float(denominator, like=num, name="denominator")
@@ -72,7 +72,8 @@ def log_ratios(current: Any, old: Any, behaviour: Any, mask: Any = None) -> LogR
     ``behaviour`` may be tensors or numpy arrays (detached either way). All share one shape,
     typically [B, T]; ``mask`` selects the tokens to train on (None: every defined token).
     """
-    torch = require_torch()
+    import torch
+
     cur = as_float(current, name="current")
     old_t = as_float(old, like=cur, name="old").detach()
     beh = as_float(behaviour, like=cur, name="behaviour").detach()

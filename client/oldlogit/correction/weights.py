@@ -19,7 +19,6 @@ from oldlogit.correction._common import (
     masked_count,
     masked_mean,
     masked_sum,
-    require_torch,
 )
 from oldlogit.errors import InvalidRequest
 
@@ -48,7 +47,8 @@ _DIVERGENCES = ("k1", "k2", "k3")
 
 
 def _prepared(log_ratio: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    torch = require_torch()
+    import torch
+
     lr = log_ratio.detach()
     if not lr.is_floating_point():
         lr = lr.float()
@@ -76,7 +76,8 @@ def is_weights(
     (the mean over selected tokens for ``token``, over non-empty sequences otherwise; skipped
     when that mean is 0).
     """
-    torch = require_torch()
+    import torch
+
     if level not in _IS_LEVELS:
         raise InvalidRequest(f"level must be one of {_IS_LEVELS}, got {level!r}", parameter="level")
     if threshold is not None:
@@ -107,7 +108,8 @@ def is_weights(
 
 def token_divergence(log_ratio: Tensor, divergence: Divergence) -> Tensor:
     """Per-token divergence [B, T] from log ρ: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ."""
-    torch = require_torch()
+    import torch
+
     if divergence not in _DIVERGENCES:
         raise InvalidRequest(
             f"divergence must be one of {_DIVERGENCES}, got {divergence!r}",
@@ -138,7 +140,8 @@ def rejection_mask(
     ``sequence_sum`` keeps Π ρ ∈ [1/u, u] (verl's token and sequence modes), ``sequence_mean``
     bounds the geometric mean. An empty sequence is never rejected (it has nothing to drop).
     """
-    torch = require_torch()
+    import torch
+
     if level not in _REJECTION_LEVELS:
         raise InvalidRequest(
             f"level must be one of {_REJECTION_LEVELS}, got {level!r}", parameter="level"

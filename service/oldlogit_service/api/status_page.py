@@ -61,11 +61,13 @@ def _chart(
     value: Callable[[Sample], float],
     now: float,
     window_s: float,
+    top: float | None = None,
 ) -> str:
-    """A line chart of ``value`` over the last ``window_s``; NaN values break the line."""
+    """A line chart of ``value`` over the last ``window_s``; NaN values break the line, and
+    the newest point gets a dot (a line of one point would not show)."""
     pts = [(s.t, value(s)) for s in samples if s.t >= now - window_s]
     finite = [v for _, v in pts if math.isfinite(v)]
-    top = _nice_ceiling(max(finite, default=0.0))
+    top = top or _nice_ceiling(max(finite, default=0.0))
     runs: list[list[str]] = [[]]
     for t, v in pts:
         if not math.isfinite(v):
@@ -75,6 +77,9 @@ def _chart(
         y = _H - (_H - 12) * min(v, top) / top  # 12 units of headroom for the top label
         runs[-1].append(f"{x:.1f},{y:.1f}")
     lines = "".join(f'<polyline points="{" ".join(r)}"/>' for r in runs if r)
+    if runs[-1]:
+        x, y = runs[-1][-1].split(",")
+        lines += f'<circle cx="{x}" cy="{y}" r="2"/>'
     latest = finite[-1] if finite and math.isfinite(pts[-1][1]) else math.nan
     return (
         f'<figure class="chart"><figcaption>{_esc(title)}: <b>{_fmt_num(latest)}</b> '
@@ -120,6 +125,7 @@ def _charts(rt: Runtime, now: float) -> str:
                 lambda s: 100 * s.cache_hit_rate,
                 now,
                 window,
+                top=100.0,
             ),
         )
     )

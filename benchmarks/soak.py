@@ -41,21 +41,32 @@ def _pctl(xs: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> list[Figure]:
     from oldlogit import Client, OldLogitError
-
     from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-soak-"))
-    model_dir = make_tiny_model_dir(root / "model", vocab_size=args.soak_vocab,
-                                    hidden_size=args.soak_hidden, num_layers=2)
+    model_dir = make_tiny_model_dir(
+        root / "model", vocab_size=args.soak_vocab, hidden_size=args.soak_hidden, num_layers=2
+    )
     model = load_model(model_dir, dtype=torch.bfloat16, device=torch.device("cpu"))
     base = load_weights(model_dir, model)
     assert base is not None
     one_gib = sum(t.numel() * t.element_size() for t in base.values()) / 1024**3
-    server = ServerProcess([
-        "--model", str(model_dir), "--snapshot-dir", str(root / "snap"),
-        "--write-token", TOKEN, "--device-budget-gib", f"{4 * one_gib:.9f}",
-        "--max-versions", "12", "--cache-budget-mib", "8",
-    ])
+    server = ServerProcess(
+        [
+            "--model",
+            str(model_dir),
+            "--snapshot-dir",
+            str(root / "snap"),
+            "--write-token",
+            TOKEN,
+            "--device-budget-gib",
+            f"{4 * one_gib:.9f}",
+            "--max-versions",
+            "12",
+            "--cache-budget-mib",
+            "8",
+        ]
+    )
     rng = random.Random(0)
     lock = threading.Lock()
     versions = [0]
@@ -104,8 +115,10 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 while not stop.wait(args.publish_every_s):
                     v += 1
                     g = torch.Generator().manual_seed(v)
-                    w = {k: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
-                         for k, t in base.items()}
+                    w = {
+                        k: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
+                        for k, t in base.items()
+                    }
                     try:
                         c.publish(v, w)
                         with lock:
@@ -150,8 +163,10 @@ def run(args: argparse.Namespace) -> list[Figure]:
         pub.start()
         n_workers = 16
         wclients = [Client(server.grpc_url, token=TOKEN, timeout_s=60) for _ in range(n_workers)]
-        ws = [threading.Thread(target=worker, args=(wclients[k], k, n_workers))
-              for k in range(n_workers)]
+        ws = [
+            threading.Thread(target=worker, args=(wclients[k], k, n_workers))
+            for k in range(n_workers)
+        ]
         for t in ws:
             t.start()
         for t in ws:
@@ -173,19 +188,31 @@ def run(args: argparse.Namespace) -> list[Figure]:
     all_lat = [d for _, d in lat]
     drift = p99s[-1] / p99s[0] if p99s and p99s[0] == p99s[0] and p99s[0] > 0 else float("nan")
     detail = {
-        "capacity_rps": capacity, "target_rps": rate, "requests": len(lat),
-        "duration_s": args.duration_s, "errors": errors[:20], "error_count": len(errors),
+        "capacity_rps": capacity,
+        "target_rps": rate,
+        "requests": len(lat),
+        "duration_s": args.duration_s,
+        "errors": errors[:20],
+        "error_count": len(errors),
         "evicted_races": races,
-        "p50_s": _pctl(all_lat, 0.5), "p99_s": _pctl(all_lat, 0.99),
-        "p99_per_window_s": p99s, "rss_start": rss0, "rss_end": rss1,
+        "p50_s": _pctl(all_lat, 0.5),
+        "p99_s": _pctl(all_lat, 0.99),
+        "p99_per_window_s": p99s,
+        "rss_start": rss0,
+        "rss_end": rss1,
         "published_versions": versions[-1],
         "median_s": statistics.median(all_lat) if all_lat else float("nan"),
     }
     return [
         Figure("soak errors", float(len(errors)), "count", "0", detail),
         Figure("soak p99 drift (last ÷ first window)", drift, "ratio", "~1", {}),
-        Figure("soak RSS growth", (rss1 - rss0) / rss0 if rss0 else float("nan"), "fraction",
-               "<= 0.05", {}),
+        Figure(
+            "soak RSS growth",
+            (rss1 - rss0) / rss0 if rss0 else float("nan"),
+            "fraction",
+            "<= 0.05",
+            {},
+        ),
     ]
 
 

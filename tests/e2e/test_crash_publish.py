@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from oldlogit import Client, OldLogitError
 
+from oldlogit import Client, OldLogitError
 from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
 
 from .conftest import start_cli
@@ -28,25 +28,46 @@ TOKEN = "kill-test-token"
 
 def _weights_for(base: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(version)
-    return {k: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
-            for k, t in base.items()}
+    return {
+        k: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
+        for k, t in base.items()
+    }
 
 
 def run_kills(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
     from oldlogit.weights import weight_sha256
 
     rng = random.Random(seed)
-    model_dir = make_tiny_model_dir(tmp_path / "model", vocab_size=2048, hidden_size=256,
-                                    num_layers=2, intermediate_size=512, num_heads=4,
-                                    num_kv_heads=2)
+    model_dir = make_tiny_model_dir(
+        tmp_path / "model",
+        vocab_size=2048,
+        hidden_size=256,
+        num_layers=2,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+    )
     model = load_model(model_dir, dtype=torch.bfloat16, device=torch.device("cpu"))
     base = load_weights(model_dir, model)
     assert base is not None
     expected: dict[int, str] = {}  # every version we ever tried: its true hash
     acked: dict[int, str] = {}
-    args = ["--model", str(model_dir), "--snapshot-dir", str(tmp_path / "snap"),
-            "--http-port", "0", "--grpc-port", "0", "--write-token", TOKEN,
-            "--max-versions", "100000", "--log-level", "WARNING"]
+    args = [
+        "--model",
+        str(model_dir),
+        "--snapshot-dir",
+        str(tmp_path / "snap"),
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--write-token",
+        TOKEN,
+        "--max-versions",
+        "100000",
+        "--log-level",
+        "WARNING",
+    ]
     next_version = 1
     stats = {"kills": 0, "acked": 0, "unacked_visible": 0, "unacked_absent": 0}
     for _ in range(kills):
@@ -54,7 +75,12 @@ def run_kills(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
         stop = threading.Event()
         attempted: list[int] = []
 
-        def publisher(srv_grpc: str = srv.grpc, srv_http: str = srv.http) -> None:
+        def publisher(
+            srv_grpc: str = srv.grpc,
+            srv_http: str = srv.http,
+            stop: threading.Event = stop,
+            attempted: list[int] = attempted,
+        ) -> None:
             nonlocal next_version
             urls = [f"grpc://{srv_grpc}", f"http://{srv_http}"]
             with Client(urls[rng.randrange(2)], token=TOKEN, retries=0, timeout_s=60) as c:

@@ -80,3 +80,13 @@ def tiny_model(tiny_loaded_factory: Callable[..., tuple[Any, Any]]) -> Any:
 @pytest.fixture(scope="session")
 def tiny_weights(tiny_loaded_factory: Callable[..., tuple[Any, Any]]) -> Any:
     return tiny_loaded_factory()[1]
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Any:
+    """A real registry Redis (noeviction) for one test."""
+    from tests.redis_server import RedisServer
+
+    srv = RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.stop()

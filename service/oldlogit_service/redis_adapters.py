@@ -1,0 +1,411 @@
+"""The one module that reaches Redis: registry, watermark, leases, membership, events, cache.
+
+In: a Redis URL and a deployment namespace. Out: the same operations the embedded defaults
+offer, shared by every replica. Redis errors are translated here, at one boundary, into
+``Unavailable`` (``raise … from exc``); nothing else in the service imports redis. The registry
+Redis must not evict keys (``noeviction``); the result-cache Redis should (``allkeys-lru``).
+
+Keys (``{ns}`` = ``oldlogit:{namespace}``):
+    {ns}:versions            hash  version -> JSON record (sha256, kind, parent, file, nbytes)
+    {ns}:newest              int   newest version ever acknowledged
+    {ns}:watermark           int   retention watermark (only moves up)
+    {ns}:gone                set   versions acknowledged once and since deleted (tombstones)
+    {ns}:lease:{id}          JSON  one lease; expires by TTL
+    {ns}:leases:{version}    set   lease ids of a version (stale ids pruned on read)
+    {ns}:member:{replica}    JSON  replica heartbeat (address, resident versions, queue); TTL
+    {ns}:events              pub/sub channel of version events
+    {ns}:cache:{key hex}     bytes a cached result (second Redis, TTL)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from oldlogit.errors import (
+    Unavailable,
+    UnknownLease,
+    VersionConflict,
+    VersionNotIncreasing,
+)
+
+logger = logging.getLogger(__name__)
+
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+
+
+@contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Redis unreachable → ``Unavailable`` naming what could not be done."""
+    try:
+        yield
+    except _REDIS_ERRORS as exc:
+        raise Unavailable(
+            f"the registry (Redis) is unreachable: cannot {what} right now", retry_after_s=1.0
+        ) from exc
+
+
+def connect(url: str, *, timeout_s: float = 2.0) -> redis.Redis:
+    """A pooled client with timeouts and bounded retries with exponential backoff."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        health_check_interval=15,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        max_connections=64,
+    )
+
+
+def check_eviction_policy(client: redis.Redis, *, want: str, role: str) -> str | None:
+    """The server's maxmemory-policy; logs a warning when it is not ``want``."""
+    try:
+        policy = str(client.config_get("maxmemory-policy").get("maxmemory-policy", ""))
+    except redis.ResponseError:  # CONFIG disabled (managed Redis): cannot check
+        return None
+    if policy != want:
+        logger.warning("the %s Redis has maxmemory-policy=%s; it should be %s", role, policy, want)
+    return policy
+
+
+# Atomic registration: one winner per version, never two different weights under one.
+_REGISTER = """
+local existing = redis.call('HGET', KEYS[1], ARGV[1])
+if existing then
+  local rec = cjson.decode(existing)
+  if rec['sha256'] == ARGV[2] then return {'same', existing} end
+  return {'conflict', existing}
+end
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return {'gone', ''} end
+local newest = redis.call('GET', KEYS[2])
+if newest and tonumber(ARGV[1]) <= tonumber(newest) then return {'not_increasing', newest} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('SET', KEYS[2], ARGV[1])
+return {'created', ARGV[3]}
+"""
+
+_RAISE_WATERMARK = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or tonumber(ARGV[1]) > tonumber(cur) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return tonumber(ARGV[1])
+end
+return tonumber(cur)
+"""
+
+
+@dataclass(frozen=True)
+class Registered:
+    outcome: str  # "created" | "same"
+    record: dict[str, Any]
+
+
+class RedisRegistry:
+    """The version registry and watermark shared by every replica."""
+
+    def __init__(self, client: redis.Redis, namespace: str) -> None:
+        self.r = client
+        self.ns = f"oldlogit:{namespace}"
+        self._register = client.register_script(_REGISTER)
+        self._raise_wm = client.register_script(_RAISE_WATERMARK)
+
+    @property
+    def events_channel(self) -> str:
+        return f"{self.ns}:events"
+
+    def register(self, version: int, record: dict[str, Any]) -> Registered:
+        """Atomically claim ``version`` for ``record['sha256']`` (idempotent, or a conflict)."""
+        with translated(f"register version {version}"):
+            out = self._register(
+                keys=[f"{self.ns}:versions", f"{self.ns}:newest", f"{self.ns}:gone"],
+                args=[version, record["sha256"], json.dumps(record, sort_keys=True)],
+            )
+        outcome = out[0].decode() if isinstance(out[0], bytes) else str(out[0])
+        payload = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+        if outcome == "conflict":
+            theirs = json.loads(payload)["sha256"]
+            raise VersionConflict(
+                f"policy_version {version} is already published with weight sha256 "
+                f"{theirs[:16]}…; these weights differ",
+                parameter="policy_version",
+            )
+        if outcome == "not_increasing":
+            raise VersionNotIncreasing(
+                f"policy_version {version} is not above the newest published version "
+                f"{payload}: versions only go up",
+                parameter="policy_version",
+            )
+        if outcome == "gone":
+            raise VersionNotIncreasing(
+                f"policy_version {version} was published and deleted before; it cannot be "
+                "published again",
+                parameter="policy_version",
+            )
+        if outcome == "created":
+            self.r.publish(
+                self.events_channel, json.dumps({"event": "published", "version": version})
+            )
+        return Registered(outcome, json.loads(payload))
+
+    def get(self, version: int) -> dict[str, Any] | None:
+        with translated(f"read version {version}"):
+            raw = self.r.hget(f"{self.ns}:versions", str(version))
+        return None if raw is None else dict(json.loads(raw))
+
+    def all(self) -> dict[int, dict[str, Any]]:
+        with translated("list versions"):
+            raw = self.r.hgetall(f"{self.ns}:versions")
+        return {int(k): json.loads(v) for k, v in raw.items()}
+
+    def newest(self) -> int | None:
+        with translated("read the newest version"):
+            raw = self.r.get(f"{self.ns}:newest")
+        return None if raw is None else int(raw)
+
+    def is_gone(self, version: int) -> bool:
+        with translated(f"read version {version}"):
+            return bool(self.r.sismember(f"{self.ns}:gone", str(version)))
+
+    def forget(self, version: int) -> None:
+        """Mark a version deleted everywhere (a tombstone: it answers VersionEvicted)."""
+        with translated(f"delete version {version}"):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hdel(f"{self.ns}:versions", str(version))
+            pipe.sadd(f"{self.ns}:gone", str(version))
+            pipe.publish(self.events_channel, json.dumps({"event": "deleted", "version": version}))
+            pipe.execute()
+
+    def watermark(self) -> int | None:
+        with translated("read the watermark"):
+            raw = self.r.get(f"{self.ns}:watermark")
+        return None if raw is None else int(raw)
+
+    def raise_watermark(self, version: int) -> int:
+        """Move the watermark up to ``version`` (never down); returns the watermark."""
+        with translated("set the watermark"):
+            wm = int(self._raise_wm(keys=[f"{self.ns}:watermark"], args=[version]))
+            self.r.publish(self.events_channel, json.dumps({"event": "watermark", "version": wm}))
+        return wm
+
+
+@dataclass(frozen=True)
+class RedisLease:
+    lease_id: str
+    version: int
+    holder: str
+    ttl_s: float
+    expires_at: float
+
+
+class RedisLeases:
+    """Leases as TTL keys: a crashed holder's lease expires on every replica at once."""
+
+    def __init__(
+        self, client: redis.Redis, namespace: str, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.r = client
+        self.ns = f"oldlogit:{namespace}"
+        self.clock = clock
+
+    def create(self, version: int, holder: str, ttl_s: float) -> RedisLease:
+        lease = RedisLease(uuid.uuid4().hex, version, holder, ttl_s, self.clock() + ttl_s)
+        with translated("create a lease"):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.set(
+                f"{self.ns}:lease:{lease.lease_id}",
+                json.dumps(lease.__dict__),
+                px=max(1, int(ttl_s * 1000)),
+            )
+            pipe.sadd(f"{self.ns}:leases:{version}", lease.lease_id)
+            pipe.execute()
+        return lease
+
+    def get(self, lease_id: str) -> RedisLease:
+        with translated("read a lease"):
+            raw = self.r.get(f"{self.ns}:lease:{lease_id}")
+        if raw is None:
+            raise UnknownLease(f"lease_id {lease_id!r} is unknown or expired", parameter="lease_id")
+        return RedisLease(**json.loads(raw))
+
+    def renew(self, lease_id: str, ttl_s: float) -> RedisLease:
+        old = self.get(lease_id)
+        lease = RedisLease(lease_id, old.version, old.holder, ttl_s, self.clock() + ttl_s)
+        with translated("renew a lease"):
+            ok = self.r.set(
+                f"{self.ns}:lease:{lease_id}",
+                json.dumps(lease.__dict__),
+                px=max(1, int(ttl_s * 1000)),
+                xx=True,
+            )
+        if not ok:
+            raise UnknownLease(f"lease_id {lease_id!r} expired", parameter="lease_id")
+        return lease
+
+    def release(self, lease_id: str) -> RedisLease:
+        lease = self.get(lease_id)
+        with translated("release a lease"):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.delete(f"{self.ns}:lease:{lease_id}")
+            pipe.srem(f"{self.ns}:leases:{lease.version}", lease_id)
+            pipe.execute()
+        return lease
+
+    def live(self, version: int) -> list[RedisLease]:
+        """The unexpired leases of ``version`` (expired ids are pruned as a side effect)."""
+        key = f"{self.ns}:leases:{version}"
+        with translated("read leases"):
+            ids = [i.decode() if isinstance(i, bytes) else str(i) for i in self.r.smembers(key)]
+            if not ids:
+                return []
+            raws = self.r.mget([f"{self.ns}:lease:{i}" for i in ids])
+            stale = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
+            if stale:
+                self.r.srem(key, *stale)
+        return [RedisLease(**json.loads(raw)) for raw in raws if raw is not None]
+
+
+class RedisMembership:
+    """Replica heartbeats as TTL keys; a replica that stops beating drops out by itself."""
+
+    def __init__(self, client: redis.Redis, namespace: str, *, ttl_s: float = 5.0) -> None:
+        self.r = client
+        self.ns = f"oldlogit:{namespace}"
+        self.ttl_s = ttl_s
+
+    def beat(self, replica_id: str, info: dict[str, Any]) -> None:
+        with translated("send a heartbeat"):
+            self.r.set(
+                f"{self.ns}:member:{replica_id}",
+                json.dumps({**info, "replica_id": replica_id, "at": time.time()}),
+                px=int(self.ttl_s * 1000),
+            )
+
+    def leave(self, replica_id: str) -> None:
+        with translated("leave the membership"):
+            self.r.delete(f"{self.ns}:member:{replica_id}")
+
+    def members(self) -> list[dict[str, Any]]:
+        with translated("list replicas"):
+            keys = list(self.r.scan_iter(match=f"{self.ns}:member:*", count=500))
+            raws = self.r.mget(keys) if keys else []
+        return sorted(
+            (json.loads(r) for r in raws if r is not None), key=lambda m: str(m["replica_id"])
+        )
+
+
+class EventListener:
+    """Subscribes to version events on a thread; reconnects with backoff after a gap and then
+    calls ``on_gap`` so the replica re-reads the registry (it may have missed events)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        channel: str,
+        on_event: Callable[[dict[str, Any]], None],
+        on_gap: Callable[[], None],
+    ) -> None:
+        self._r = client
+        self._channel = channel
+        self._on_event = on_event
+        self._on_gap = on_gap
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="oldlogit-events", daemon=True)
+        self.connected = threading.Event()
+
+    def start(self) -> EventListener:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = 0.05
+        while not self._stop.is_set():
+            pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self._channel)
+                self.connected.set()
+                self._on_gap()  # (re)connected: catch up on whatever was missed
+                delay = 0.05
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg and msg.get("type") == "message":
+                        try:
+                            self._on_event(json.loads(msg["data"]))
+                        except Exception:
+                            logger.exception("bad version event %r", msg.get("data"))
+            except _REDIS_ERRORS:
+                self.connected.clear()
+                logger.warning("lost the event channel; reconnecting in %.2fs", delay)
+                self._stop.wait(delay)
+                delay = min(2.0, delay * 2)
+            finally:
+                try:
+                    pubsub.close()
+                except Exception:
+                    pass
+
+
+class RedisResultCache:
+    """The shared result cache (``ResultCacheBackend``) on its own, evicting Redis.
+
+    Keys already include the weight hash, so a republished/changed weight can never hit.
+    A Redis outage degrades to misses: the cache is an optimisation, never a dependency.
+    """
+
+    def __init__(self, client: redis.Redis, namespace: str, *, ttl_s: float = 24 * 3600) -> None:
+        self.r = client
+        self.ns = f"oldlogit:{namespace}:cache"
+        self.ttl_ms = int(ttl_s * 1000)
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._errors = 0
+
+    def get(self, key: bytes) -> npt.NDArray[np.float32] | None:
+        try:
+            raw = self.r.get(f"{self.ns}:{key.hex()}")
+        except _REDIS_ERRORS:
+            raw = None
+            with self._lock:
+                self._errors += 1
+        with self._lock:
+            if raw is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+        arr = np.frombuffer(raw, dtype="<f4")
+        arr.setflags(write=False)
+        return arr
+
+    def put(self, key: bytes, value: npt.NDArray[np.float32]) -> None:
+        data = np.ascontiguousarray(value, dtype="<f4").tobytes()
+        try:
+            self.r.set(f"{self.ns}:{key.hex()}", data, px=self.ttl_ms)
+        except _REDIS_ERRORS:
+            with self._lock:
+                self._errors += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "errors": self._errors,
+                "bytes": 0,
+                "entries": 0,
+            }

@@ -337,7 +337,7 @@ class EventListener:
     def _run(self) -> None:
         delay = 0.05
         while not self._stop.is_set():
-            pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
             try:
                 pubsub.subscribe(self._channel)
                 self.connected.set()
@@ -388,7 +388,7 @@ class RedisResultCache:
                 self._misses += 1
                 return None
             self._hits += 1
-        arr = np.frombuffer(raw, dtype="<f4")
+        arr = np.frombuffer(raw if isinstance(raw, bytes) else raw.encode("latin-1"), dtype="<f4")
         arr.setflags(write=False)
         return arr
 

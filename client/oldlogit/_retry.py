@@ -9,6 +9,7 @@ so the policy is tested with fakes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -46,12 +47,21 @@ class RetryPolicy:
         return max(jittered, hint)
 
 
+def _rendezvous_score(replica: Hashable, key: int) -> int:
+    # Highest-random-weight hashing: every client ranks replicas the same way for a version,
+    # and removing a replica only moves the versions it owned.
+    digest = hashlib.sha256(f"{replica}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
 class ReplicaSet(Generic[K]):
     """The single place that decides which replica a call tries first and where it fails over.
 
-    Today: the configured order, with replicas that recently failed to answer (``Unavailable``)
-    moved to the back for ``cooldown_s``. ``key`` (the call's policy version) is where
-    rendezvous hashing over live members plugs in (issue D); it is unused for now.
+    With a ``key`` (the call's policy version) replicas are ranked by rendezvous hashing, so a
+    version stays hot on one replica and fails over down the same order on every client; without
+    one, the configured order. Replicas that recently failed to answer (``Unavailable``) go to
+    the back for ``cooldown_s`` (still tried, last). ``update`` replaces the membership (from
+    discovery) and keeps the down marks of replicas that stay.
     """
 
     def __init__(
@@ -74,11 +84,20 @@ class ReplicaSet(Generic[K]):
 
     def order(self, key: int | None = None) -> list[K]:
         """Every replica, in the order to try them (down ones last, but still tried)."""
-        del key  # issue D: rendezvous hashing by policy version
+        ranked = list(self._replicas)
+        if key is not None:
+            ranked.sort(key=lambda r: _rendezvous_score(r, key), reverse=True)
         now = self._clock()
-        up = [r for r in self._replicas if self._down_until.get(r, 0.0) <= now]
-        down = [r for r in self._replicas if self._down_until.get(r, 0.0) > now]
+        up = [r for r in ranked if self._down_until.get(r, 0.0) <= now]
+        down = [r for r in ranked if self._down_until.get(r, 0.0) > now]
         return up + down
+
+    def update(self, replicas: list[K]) -> None:
+        """Replace the members (discovery); an empty list keeps the current ones."""
+        if not replicas:
+            return
+        self._replicas = list(dict.fromkeys(replicas))
+        self._down_until = {r: t for r, t in self._down_until.items() if r in self._replicas}
 
     def mark_down(self, replica: K) -> None:
         self._down_until[replica] = self._clock() + self._cooldown_s

@@ -779,3 +779,29 @@ def test_importing_the_client_does_not_import_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_rendezvous_order_is_stable_spread_and_minimal_on_removal() -> None:
+    from collections import Counter
+
+    from oldlogit._retry import ReplicaSet
+
+    urls = [f"grpc://10.0.0.{i}:50051" for i in range(1, 5)]
+    a = ReplicaSet(urls)
+    b = ReplicaSet(list(reversed(urls)))  # another client, another configured order
+    owners = {}
+    for v in range(400):
+        assert a.order(v) == b.order(v)  # every client agrees
+        assert sorted(a.order(v)) == sorted(urls)
+        owners[v] = a.order(v)[0]
+    spread = Counter(owners.values())
+    assert min(spread.values()) > 60  # roughly even over 4 replicas
+    # Removing a replica moves only the versions it owned.
+    a.update(urls[:3])
+    moved = [v for v in range(400) if a.order(v)[0] != owners[v]]
+    assert all(owners[v] == urls[3] for v in moved)
+    # A failed replica goes last but keeps its place for everyone else.
+    first = a.order(7)[0]
+    a.mark_down(first)
+    assert a.order(7)[-1] == first
+    assert a.order(None) == [u for u in urls[:3] if u != first] + [first]

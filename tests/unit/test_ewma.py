@@ -51,7 +51,8 @@ def _closed_form(versions: list[dict[str, torch.Tensor]], beta: float) -> dict[s
     coef = [beta ** (k - 1 - i) for i in range(k)]
     total = sum(coef)
     return {
-        n: sum(c * v[n].double() for c, v in zip(coef, versions, strict=True)) / total
+        n: torch.stack([c * v[n].double() for c, v in zip(coef, versions, strict=True)]).sum(0)
+        / total
         for n in versions[0]
     }
 

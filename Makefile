@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck proto install
+.PHONY: demo test lint typecheck proto install validate-deploy
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,19 @@ typecheck: $(STAMP)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
+
+# The deploy files, checked statically (no Docker engine or cluster here): hadolint on the
+# Dockerfile, the compose-spec schema on docker-compose.yml, and each kustomize overlay built
+# and validated against the pinned Kubernetes version. tests/e2e/test_deploy_static.py runs
+# the same checks and also runs every command the files contain against local servers.
+K8S_VERSION = $(shell cat deploy/k8s/KUBERNETES_VERSION)
+
+validate-deploy: $(STAMP)
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	mkdir -p test-artifacts
+	set -e; for overlay in deploy/k8s/overlays/*/; do \
+	  out=test-artifacts/k8s-$$(basename $$overlay).yaml; \
+	  $(VENV)/bin/kubectl kustomize $$overlay > $$out; \
+	  $(VENV)/bin/kubernetes-validate --strict --kubernetes-version $(K8S_VERSION) $$out; \
+	done

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import serving, soak
+from benchmarks import delta_trace, serving, soak
 from benchmarks.common import print_table, write_results
 
-FIGURES = {"serving": serving, "soak": soak}
+FIGURES = {"serving": serving, "soak": soak, "delta": delta_trace}
 DEFAULT = ["serving"]  # the soak runs for minutes: ask for it by name
 
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for CI")
     serving.add_args(p)
     soak.add_args(p)
+    delta_trace.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers, args.vocab = 64, 2, 512
         args.seqs, args.seq_len, args.concurrency, args.single_len, args.reps = 4, 64, 4, 16, 1
         args.duration_s, args.capacity_s, args.publish_every_s = 8.0, 3.0, 1.0
+        delta_trace.smoke(args)
     figures = []
     for name in args.figures:
         figures.extend(FIGURES[name].run(args))

@@ -83,7 +83,7 @@ def decode_positions(coded: npt.NDArray[np.uint8], count: int, numel: int, name:
     zero = coded == 0
     steps[zero] = 255
     ends = np.cumsum(steps)
-    positions = ends[~zero] - 1
+    positions: Positions = ends[~zero] - 1
     if positions.size != count:
         raise bad(f"{positions.size} positions for {count} values")
     if count and positions[-1] >= numel:

@@ -3,8 +3,9 @@
 In: ``{name: tensor | ndarray}`` or a path; out: a ``SafetensorsStream`` that yields the bytes of
 one safetensors file in chunks (re-iterable, for retries), its size, and the weight sha256.
 Never builds the file in memory: tensors are read one at a time (off-CPU tensors copied one at a
-time), shards are read in chunks and merged by rewriting only the header. Also the publish
-helpers around it: the progress bar and the async adaptor.
+time), shards are read in chunks and merged by rewriting only the header. Delta publishing
+keeps a ``WeightsCopy`` of the last published weights (CPU, raw bits) and streams only the
+changed elements (``oldlogit._delta`` format). Also the progress bar and the async adaptor.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+import numpy.typing as npt
+
+from oldlogit._delta import FORMAT, IDX, VAL, bits_view, diff_positions, encode_positions
 from oldlogit.errors import InvalidRequest
 from oldlogit.weights import (
+    DTYPE_ITEMSIZE,
     SafetensorsHeader,
     TensorEntry,
+    WeightHasher,
     dtype_name,
     read_entry_chunks,
     read_safetensors_header,
@@ -36,6 +43,7 @@ from oldlogit.weights import (
 __all__ = [
     "CHUNK_BYTES",
     "SafetensorsStream",
+    "WeightsCopy",
     "aiter_in_thread",
     "coalesce",
     "progress_bar",
@@ -89,10 +97,11 @@ class SafetensorsStream:
         tensors: list[_Tensor],
         hasher: Callable[[], str],
         files: list[Path] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
         tensors = sorted(tensors, key=lambda t: t.name)
         # "format": "pt" is what transformers checks before loading a safetensors file.
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         for t in tensors:
             header[t.name] = {
@@ -173,6 +182,99 @@ class SafetensorsStream:
 
                 tensors.append(_Tensor(name, entry.dtype, entry.shape, entry.nbytes, read))
         return cls(tensors, lambda: safetensors_sha256(path), files)
+
+
+def _array_tensor(name: str, dtype: str, arr: npt.NDArray[Any]) -> _Tensor:
+    def read(_: Mapping[Path, BinaryIO], a: npt.NDArray[Any] = arr) -> list[memoryview]:
+        return [np.ascontiguousarray(a).view(np.uint8).data]
+
+    return _Tensor(name, dtype, tuple(int(d) for d in arr.shape), int(arr.nbytes), read)
+
+
+@dataclass(frozen=True)
+class WeightsCopy:
+    """A version's weights as the client last published them: raw bits on the CPU, per tensor
+    ``(dtype, shape, flat uint view)``, so the next publish can send only what changed."""
+
+    policy_version: int
+    sha256: str
+    tensors: Mapping[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]]
+
+    @classmethod
+    def read(cls, weights: Mapping[str, Any] | str | os.PathLike[str]) -> WeightsCopy:
+        """Copy a state dict (torch tensors on any device, numpy arrays) or a safetensors
+        file/shard directory into CPU memory, and hash it. ``policy_version`` is -1 until
+        ``published`` sets it."""
+        out: dict[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]] = {}
+        if isinstance(weights, Mapping):
+            if not weights:
+                raise InvalidRequest(
+                    "weights must be a non-empty {name: tensor} mapping", parameter="weights"
+                )
+            for name, x in weights.items():
+                if not isinstance(name, str) or not hasattr(x, "shape"):
+                    raise InvalidRequest(
+                        f"weights[{name!r}] must be a tensor or array keyed by name",
+                        parameter="weights",
+                    )
+                dt = dtype_name(x)
+                raw = np.frombuffer(tensor_raw_bytes(x), dtype=np.uint8).copy()
+                out[name] = (dt, tuple(int(d) for d in x.shape), bits_view(raw, DTYPE_ITEMSIZE[dt]))
+        else:
+            stream = SafetensorsStream.from_path(weights)
+            handles = {p: open(p, "rb") for p in stream._files}  # noqa: SIM115 - closed below
+            try:
+                for t in stream._tensors:
+                    raw = np.empty(t.nbytes, dtype=np.uint8)
+                    pos = 0
+                    for chunk in t.read(handles):
+                        n = memoryview(chunk).nbytes
+                        raw[pos : pos + n] = np.frombuffer(chunk, dtype=np.uint8)
+                        pos += n
+                    out[t.name] = (t.dtype, t.shape, bits_view(raw, DTYPE_ITEMSIZE[t.dtype]))
+            finally:
+                for f in handles.values():
+                    f.close()
+        hasher = WeightHasher()
+        for name in sorted(out):
+            dt, shape, bits = out[name]
+            hasher.begin(name, dt, shape)
+            hasher.update(np.ascontiguousarray(bits).view(np.uint8).data)
+        return cls(-1, hasher.hexdigest(), out)
+
+    def published(self, policy_version: int) -> WeightsCopy:
+        return WeightsCopy(policy_version, self.sha256, self.tensors)
+
+    def matches(self, other: WeightsCopy) -> bool:
+        """Same names, dtypes and shapes: a delta between them is defined."""
+        return {k: v[:2] for k, v in self.tensors.items()} == {
+            k: v[:2] for k, v in other.tensors.items()
+        }
+
+    def full_stream(self) -> SafetensorsStream:
+        tensors = [
+            _array_tensor(name, dt, bits.reshape(shape))
+            for name, (dt, shape, bits) in self.tensors.items()
+        ]
+        return SafetensorsStream(tensors, lambda: self.sha256)
+
+    def delta_stream(self, parent: WeightsCopy) -> SafetensorsStream:
+        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit._delta``."""
+        tensors: list[_Tensor] = []
+        for name, (dt, _, bits) in self.tensors.items():
+            pos = diff_positions(parent.tensors[name][2], bits)
+            if pos.size == bits.size and bits.size:
+                tensors.append(_array_tensor(name + VAL, dt, bits))
+            elif pos.size:
+                tensors.append(_array_tensor(name + VAL, dt, bits[pos]))
+                tensors.append(_array_tensor(name + IDX, "U8", encode_positions(pos)))
+        meta = {
+            "format": FORMAT,
+            "parent": str(parent.policy_version),
+            "parent_sha256": parent.sha256,
+            "sha256": self.sha256,
+        }
+        return SafetensorsStream(tensors, lambda: self.sha256, metadata=meta)
 
 
 def progress_bar(enabled: bool, total: int, desc: str) -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from pydantic import ValidationError
 
@@ -27,7 +27,7 @@ from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
 from oldlogit._transport import Transport, check_url, open_transport
 from oldlogit.convert import PublishHeader
-from oldlogit.errors import InvalidRequest, UnknownLease
+from oldlogit.errors import InvalidRequest, ParentMissing, UnknownLease, WeightsMismatch
 from oldlogit.types import (
     Info,
     LeaseInfo,
@@ -38,6 +38,9 @@ from oldlogit.types import (
     SequenceResult,
     VersionInfo,
 )
+
+if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
+    from oldlogit._publish import SafetensorsStream, WeightsCopy
 
 __all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
 
@@ -101,6 +104,8 @@ class AsyncClient:
         self._encoding = wire.MSGPACK_TYPE if http_encoding == "msgpack" else wire.JSON_TYPE
         # Created on first use, inside the running loop (grpc.aio channels are bound to it).
         self._transports: dict[str, Transport] = {}
+        # The weights of the last publish(..., delta=True): the next delta's parent.
+        self._last_published: WeightsCopy | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -243,41 +248,96 @@ class AsyncClient:
         sha256: str | None = None,
         by_path: bool = False,
         progress: bool = False,
+        fallback_full: bool = False,
     ) -> PublishResult:
         """Publish a version's weights: a ``{name: tensor}`` state dict, or a safetensors file
         or shard directory (uploaded; with ``by_path=True`` the service reads the path itself).
 
         ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``) for uploads;
         the service verifies it. By path, the client never reads the files: without ``sha256``
-        the service computes the hash and returns it in the result. ``delta=True`` is accepted,
-        but until delta publishing lands (issue C) the full weights are sent. The call's
-        deadline is the client's ``publish_timeout_s`` (default: none, uploads take what they
-        take).
+        the service computes the hash and returns it in the result (``delta=True`` there means
+        the path holds a delta file). The call's deadline is the client's
+        ``publish_timeout_s`` (default: none, uploads take what they take).
+
+        ``delta=True`` sends only the elements that changed since the last version this client
+        published with ``delta=True`` (it keeps a CPU copy of those weights, in the serving
+        dtype); the service rebuilds the version from its copy of that parent and checks the
+        sha256 before the version becomes visible. The first such publish sends everything.
+        If the service no longer has the parent it raises ``ParentMissing``; with
+        ``fallback_full=True`` the client then uploads the full weights instead.
         """
         # Reads weights (oldlogit.weights): not needed to import the client.
-        from oldlogit._publish import SafetensorsStream, aiter_in_thread, progress_bar
+        from oldlogit._publish import SafetensorsStream, WeightsCopy
 
-        if delta:
-            logger.info("delta publishing is not available yet: sending the full weights")
         if by_path:
             if isinstance(weights, Mapping):
                 raise InvalidRequest(
                     "by_path=True needs a path, not a state dict", parameter="weights"
                 )
             path = os.fspath(weights)
-            header = PublishHeader(policy_version, sha256)
+            header = PublishHeader(policy_version, sha256, delta=delta)
             return await self._call(
                 lambda t, rem: t.publish_by_path(header, path, rem),
                 timeout_s=self._publish_timeout_s,
                 key=policy_version,
             )
+        if delta:
+            new = await asyncio.to_thread(WeightsCopy.read, weights)
+            parent = self._last_published
+            if sha256 is not None and sha256.lower() != new.sha256:
+                raise WeightsMismatch(
+                    f"the weights hash to {new.sha256}, not the given sha256 {sha256}",
+                    parameter="sha256",
+                )
+            if parent is None or not parent.matches(new):
+                logger.info("publish v%d: no earlier weights to diff against", policy_version)
+                res = await self._upload(policy_version, new.full_stream(), new.sha256, progress)
+            else:
+                stream = await asyncio.to_thread(new.delta_stream, parent)
+                try:
+                    res = await self._upload(
+                        policy_version,
+                        stream,
+                        new.sha256,
+                        progress,
+                        parent=parent.policy_version,
+                    )
+                except ParentMissing:
+                    if not fallback_full:
+                        raise
+                    logger.info("publish v%d: parent missing, sending full", policy_version)
+                    res = await self._upload(
+                        policy_version, new.full_stream(), new.sha256, progress
+                    )
+            self._last_published = new.published(policy_version)
+            return res
         if isinstance(weights, Mapping):
             stream = SafetensorsStream.from_state_dict(weights)
         else:
             stream = await asyncio.to_thread(SafetensorsStream.from_path, Path(weights))
         if sha256 is None:
             sha256 = await asyncio.to_thread(stream.sha256)
-        header = PublishHeader(policy_version, sha256, total_bytes=stream.total_bytes)
+        return await self._upload(policy_version, stream, sha256, progress)
+
+    async def _upload(
+        self,
+        policy_version: int,
+        stream: SafetensorsStream,
+        sha256: str,
+        progress: bool,
+        *,
+        parent: int | None = None,
+    ) -> PublishResult:
+        """Stream one safetensors body (full weights, or a delta against ``parent``)."""
+        from oldlogit._publish import aiter_in_thread, progress_bar
+
+        header = PublishHeader(
+            policy_version,
+            sha256,
+            delta=parent is not None,
+            parent=parent,
+            total_bytes=stream.total_bytes,
+        )
         bar = progress_bar(progress, stream.total_bytes, f"publish v{policy_version}")
 
         async def op(t: Transport, remaining: float | None) -> PublishResult:

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=Path, help="file touched after each answered round")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     token = os.environ.get("OLDLOGIT_WRITE_TOKEN")  # leases are writes
     rng = np.random.default_rng(0)

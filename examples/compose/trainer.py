@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=Path, help="file touched after each published version")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     token = os.environ.get("OLDLOGIT_WRITE_TOKEN")  # publishing and the watermark are writes
     with Client(args.url, token=token, timeout_s=120.0) as c:

@@ -44,6 +44,21 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host-budget-gib", {"type": float}),
     ("--disk-budget-gib", {"type": float}),
     ("--max-versions", {"type": int}),
+    (
+        "--keyframe-every",
+        {"type": int, "help": "a keyframe at least every N versions, patches between (1: none)"},
+    ),
+    (
+        "--keyframe-chain-fraction",
+        {"type": float, "help": "a keyframe once a chain's patches exceed this x a keyframe"},
+    ),
+    (
+        "--strategy",
+        {
+            "choices": ["snapshot", "lagging"],
+            "help": "snapshot: random access; lagging: one model advanced in version order",
+        },
+    ),
     ("--redis-url", {"help": "Redis for registry/leases/membership (scale-out)"}),
     ("--cache-redis-url", {"help": "Redis for the shared result cache"}),
     ("--write-token", {"help": "bearer token required for writes (publish, delete, leases)"}),

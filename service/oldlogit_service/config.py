@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     host_budget_gib: float = Field(8.0, ge=0)
     disk_budget_gib: float = Field(100.0, gt=0)
     max_versions: int = Field(64, ge=1)
+    # Delta snapshots: a version is a patch against its parent unless its chain would reach
+    # keyframe_every versions or its patches keyframe_chain_fraction of a keyframe (1 = every
+    # version a keyframe). Both bound what rebuilding a version reads and applies.
+    keyframe_every: int = Field(16, ge=1)
+    keyframe_chain_fraction: float = Field(0.5, gt=0)
+    # snapshot: random access to any retained version; lagging: one resident model advanced
+    # version by version, requests served in version order (passed versions: snapshot path).
+    strategy: Literal["snapshot", "lagging"] = "snapshot"
     # Scale-out (issue D).
     redis_url: str | None = None
     cache_redis_url: str | None = None

@@ -115,6 +115,7 @@ class Runtime:
             ),
             max_queue=settings.max_queue,
             observer=self.metrics,
+            strategy=settings.strategy,
         )
         attn = str(getattr(model.module.config, "_attn_implementation", "eager"))
         head = "float32" if settings.lm_head_fp32 else settings.dtype
@@ -333,6 +334,16 @@ class Runtime:
             lambda: self.store.publish_file(version, path, expected_sha256=sha256, move=move)
         )
 
+    async def publish_delta_file(
+        self, version: int, path: Path, *, sha256: str | None, parent: int | None
+    ) -> PublishResult:
+        """A delta upload (changed elements only) against ``parent`` (None: the file's, else
+        the newest retained); ``ParentMissing`` when the store lacks it."""
+        self._check_version_arg(version)
+        return await self._publish(
+            lambda: self.store.publish_delta(version, path, parent=parent, expected_sha256=sha256)
+        )
+
     async def publish_weights(
         self, version: int, weights: Mapping[str, torch.Tensor], *, sha256: str | None
     ) -> PublishResult:
@@ -341,8 +352,17 @@ class Runtime:
             lambda: self.store.publish(version, weights, expected_sha256=sha256)
         )
 
-    async def publish_path(self, version: int, path: str, *, sha256: str | None) -> PublishResult:
-        """Publish from storage the service can read, only under the configured roots."""
+    async def publish_path(
+        self,
+        version: int,
+        path: str,
+        *,
+        sha256: str | None,
+        delta: bool = False,
+        parent: int | None = None,
+    ) -> PublishResult:
+        """Publish from storage the service can read, only under the configured roots
+        (``delta``: the path holds a delta file against ``parent``)."""
         self._check_version_arg(version)
         roots = [r.resolve() for r in self.settings.publish_roots]
         if not roots:
@@ -367,6 +387,14 @@ class Runtime:
             )
         if not target.exists():
             raise InvalidRequest(f"path {path!r} does not exist", parameter="path")
+        if delta:
+            if not target.is_file():
+                raise InvalidRequest(
+                    f"path {path!r}: a delta is one safetensors file", parameter="path"
+                )
+            return await self.publish_delta_file(version, target, sha256=sha256, parent=parent)
+        if parent is not None:
+            raise InvalidRequest("parent applies to delta publishes only", parameter="parent")
         return await self._publish(
             lambda: self.store.publish(version, target, expected_sha256=sha256)
         )

@@ -2,8 +2,9 @@
 
 In: work items (one version, one engine job, a future) from the runtime. Out: each future
 resolved with the job's logprobs or failed with a mapped error. A batch never mixes versions.
-``pick_batch`` is the pure policy (tested with plain deques); ``Scheduler`` is the one loop that
-runs it on a worker thread, so the event loop stays free while a forward runs.
+``pick_batch`` (snapshot route) and ``pick_batch_lagging`` (lagging route: version order) are
+the pure policies, tested with plain deques; ``Scheduler`` is the one loop that runs one on a
+worker thread, so the event loop stays free while a forward runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +72,34 @@ def pick_batch(
         version = current
     else:
         version = oldest
-    q = live[version]
+    return version, _fill(queues, version, policy)
+
+
+def pick_batch_lagging(
+    queues: dict[int, deque[WorkItem]],
+    *,
+    current: int | None,
+    now: float,
+    policy: BatchPolicy,
+) -> tuple[int, list[WorkItem]] | None:
+    """The lagging route's policy: the smallest queued version first, FIFO within it.
+
+    The lagging model only moves forward, so serving in version order lets it advance one
+    patch at a time; a request for a version it has passed is still served first among what is
+    queued (by the snapshot path). Same signature as ``pick_batch``; ``current`` and ``now``
+    do not matter here.
+    """
+    del current, now
+    live = [v for v, q in queues.items() if q]
+    if not live:
+        return None
+    version = min(live)
+    return version, _fill(queues, version, policy)
+
+
+def _fill(queues: dict[int, deque[WorkItem]], version: int, policy: BatchPolicy) -> list[WorkItem]:
+    """Pop one version's items, FIFO, within the token budget (at least one)."""
+    q = queues[version]
     batch = [q.popleft()]
     tokens = batch[0].ntokens
     while q and tokens + q[0].ntokens <= policy.max_batch_tokens:
@@ -80,7 +108,7 @@ def pick_batch(
         batch.append(item)
     if not q:
         del queues[version]
-    return version, batch
+    return batch
 
 
 class SchedulerObserver(Protocol):
@@ -125,9 +153,14 @@ class Scheduler:
         max_queue: int,
         observer: SchedulerObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        strategy: Literal["snapshot", "lagging"] = "snapshot",
     ) -> None:
+        """``strategy="lagging"``: batches in version order, weights from the store's lagging
+        model (``SnapshotStore.acquire_lagging``)."""
         self._engine = engine
         self._store = store
+        self._lagging = strategy == "lagging"
+        self._pick = pick_batch_lagging if self._lagging else pick_batch
         self._policy = policy
         self._max_queue = max_queue
         self._observer = observer or _NullObserver()
@@ -223,7 +256,7 @@ class Scheduler:
                 ):
                     self._cond.wait(self._policy.max_wait_s - waited)
                     continue
-                picked = pick_batch(st.queues, current=st.current, now=now, policy=self._policy)
+                picked = self._pick(st.queues, current=st.current, now=now, policy=self._policy)
                 if picked is None:  # pragma: no cover - depth said otherwise
                     continue
                 version, items = picked
@@ -263,7 +296,8 @@ class Scheduler:
             return
         start = time.perf_counter()
         try:
-            with self._store.acquire(version) as weights:
+            acquire = self._store.acquire_lagging if self._lagging else self._store.acquire
+            with acquire(version) as weights:
                 outs = self._engine.run(weights, [it.job for it in live])
         except BaseException as exc:
             err = map_exception(exc)

@@ -62,6 +62,8 @@ def build_runtime(settings: Settings) -> Runtime:
         host_budget_bytes=settings.host_budget_bytes,
         disk_budget_bytes=settings.disk_budget_bytes,
         max_versions=settings.max_versions,
+        keyframe_every=settings.keyframe_every,
+        keyframe_chain_fraction=settings.keyframe_chain_fraction,
     )
     if not store.versions() and store.newest is None:
         if settings.demo:

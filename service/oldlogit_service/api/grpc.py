@@ -226,30 +226,33 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
                     f.write(chunk.data)
             if header is None:
                 raise InvalidRequest("the publish stream is empty", parameter="header")
-            if header.delta or header.HasField("parent"):
-                raise InvalidRequest(
-                    "delta publishing is not enabled on this server; upload full weights",
-                    parameter="delta",
-                )
+            parent = header.parent if header.HasField("parent") else None
+            if parent is not None and not header.delta:
+                raise InvalidRequest("parent applies to delta uploads only", parameter="parent")
             if size == 0:
                 raise InvalidRequest(
                     "the upload holds no data: send a safetensors file", parameter="data"
                 )
-            res = await self._rt.publish_file(
-                header.policy_version, tmp, sha256=header.sha256 or None, move=True
-            )
+            if header.delta:
+                res = await self._rt.publish_delta_file(
+                    header.policy_version, tmp, sha256=header.sha256 or None, parent=parent
+                )
+            else:
+                res = await self._rt.publish_file(
+                    header.policy_version, tmp, sha256=header.sha256 or None, move=True
+                )
             return convert.publish_result_to_proto(res)
         finally:
             if tmp.exists():
                 os.unlink(tmp)
 
     async def PublishByPath(self, request: Any, context: Any) -> Any:
-        if request.delta or request.HasField("parent"):
-            raise InvalidRequest(
-                "delta publishing is not enabled on this server", parameter="delta"
-            )
         res = await self._rt.publish_path(
-            request.policy_version, request.path, sha256=request.sha256 or None
+            request.policy_version,
+            request.path,
+            sha256=request.sha256 or None,
+            delta=request.delta,
+            parent=request.parent if request.HasField("parent") else None,
         )
         return convert.publish_result_to_proto(res)
 

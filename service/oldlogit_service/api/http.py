@@ -220,11 +220,8 @@ def create_app(rt: Runtime) -> FastAPI:
         parent: int | None = None,
     ) -> PublishResult:
         auth(request, write=True)
-        if delta or parent is not None:
-            raise InvalidRequest(
-                "delta publishing is not enabled on this server; upload full weights",
-                parameter="delta",
-            )
+        if parent is not None and not delta:
+            raise InvalidRequest("parent applies to delta uploads only", parameter="parent")
         incoming = rt.store.staging_dir  # same filesystem as the snapshots: a rename, no copy
         incoming.mkdir(parents=True, exist_ok=True)
         tmp = incoming / f"upload-{policy_version}-{uuid.uuid4().hex}.safetensors.part"
@@ -243,6 +240,10 @@ def create_app(rt: Runtime) -> FastAPI:
                 raise InvalidRequest(
                     "the request body is empty: send a safetensors file", parameter="body"
                 )
+            if delta:  # the changed elements only, against parent (see README: delta format)
+                return await rt.publish_delta_file(
+                    policy_version, tmp, sha256=sha256, parent=parent
+                )
             return await rt.publish_file(policy_version, tmp, sha256=sha256, move=True)
         finally:
             if tmp.exists():
@@ -255,11 +256,13 @@ def create_app(rt: Runtime) -> FastAPI:
     )
     async def publish_by_path(request: Request, body: PublishByPathBody) -> PublishResult:
         auth(request, write=True)
-        if body.delta or body.parent is not None:
-            raise InvalidRequest(
-                "delta publishing is not enabled on this server", parameter="delta"
-            )
-        return await rt.publish_path(body.policy_version, body.path, sha256=body.sha256)
+        return await rt.publish_path(
+            body.policy_version,
+            body.path,
+            sha256=body.sha256,
+            delta=body.delta,
+            parent=body.parent,
+        )
 
     # -- retention -----------------------------------------------------------------------
     @app.post("/v1/watermark", summary="The trainer will never ask below this version")

@@ -49,7 +49,7 @@ def _nice_ceiling(x: float) -> float:
     """The smallest 1, 2 or 5 × 10^k at or above ``x`` (1 for an all-zero chart)."""
     if x <= 0:
         return 1.0
-    mag = 10 ** math.floor(math.log10(x))
+    mag = 10.0 ** math.floor(math.log10(x))
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= x)
 
 
@@ -78,8 +78,8 @@ def _chart(
         runs[-1].append(f"{x:.1f},{y:.1f}")
     lines = "".join(f'<polyline points="{" ".join(r)}"/>' for r in runs if r)
     if runs[-1]:
-        x, y = runs[-1][-1].split(",")
-        lines += f'<circle cx="{x}" cy="{y}" r="2"/>'
+        cx, cy = runs[-1][-1].split(",")
+        lines += f'<circle cx="{cx}" cy="{cy}" r="2"/>'
     latest = finite[-1] if finite and math.isfinite(pts[-1][1]) else math.nan
     return (
         f'<figure class="chart"><figcaption>{_esc(title)}: <b>{_fmt_num(latest)}</b> '

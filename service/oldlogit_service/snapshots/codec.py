@@ -39,6 +39,8 @@ __all__ = [
     "FORMAT",
     "Patch",
     "TensorPatch",
+    "apply_torch",
+    "check_format",
     "compose",
     "diff",
     "file_tensors",
@@ -238,6 +240,28 @@ def rebuild(
                 a, b = int(cut[j]), int(cut[j + 1])
                 if b > a:
                     dst[t.positions[a:b]] = t.values[a:b]  # type: ignore[index]
+
+
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def apply_torch(tensors: Mapping[str, Any], patches: Sequence[Patch]) -> None:
+    """Apply ``patches`` in order to typed tensors in place, on their device (a GPU copy)."""
+    import torch
+
+    for name, t in tensors.items():
+        flat = None
+        for p in patches:
+            tp = p.tensors.get(name)
+            if tp is None:
+                continue
+            if flat is None:
+                flat = t.reshape(-1).view(getattr(torch, np.dtype(_SIGNED[t.element_size()]).name))
+            vals = torch.from_numpy(tp.values.view(_SIGNED[tp.values.itemsize])).to(t.device)
+            if tp.positions is None:
+                flat.copy_(vals)
+            else:
+                flat[torch.from_numpy(tp.positions).to(t.device)] = vals
 
 
 def check_format(metadata: Mapping[str, str], what: str) -> None:

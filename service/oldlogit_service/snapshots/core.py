@@ -78,14 +78,23 @@ class StoreCore(Residency):
         clock: Callable[[], float] = time.time,
         verify_first_load: bool = True,
         admission_timeout_s: float = 60.0,
+        keyframe_every: int = 1,
+        keyframe_chain_fraction: float = 1.0,
     ) -> None:
         """``verify_first_load``: a version recovered from an earlier process has its weight
         hash recomputed on its first load (hashing runs on the buffer just read, costing about
         one more pass over memory per version per process; disk rot or tampering then fails
         loudly instead of answering with the wrong weights). Versions published by this
-        process were hashed when written and are not re-checked."""
+        process were hashed when written and are not re-checked.
+
+        Keyframe policy (``chains``): a new version is stored as a patch against its parent
+        unless that would make its chain ``keyframe_every`` versions long (1: every version is
+        a keyframe, no patches) or its chain's patches larger than ``keyframe_chain_fraction``
+        of one keyframe; both bound what a rebuild reads and applies."""
         if max_versions < 1:
             raise ValueError("max_versions must be >= 1")
+        if keyframe_every < 1 or not keyframe_chain_fraction > 0:
+            raise ValueError("keyframe_every must be >= 1 and keyframe_chain_fraction > 0")
         dev = torch.device(device)
         specs = ingest.normalize_specs(param_specs)
         use_host = dev.type == "cuda"
@@ -107,6 +116,8 @@ class StoreCore(Residency):
         self._snapshot_nbytes = ingest.specs_nbytes(specs)
         self._max_versions = int(max_versions)
         self._verify_first_load = verify_first_load
+        self._keyframe_every = int(keyframe_every)
+        self._keyframe_chain_fraction = float(keyframe_chain_fraction)
         self._disk = TierAccount(DISK, int(disk_budget_bytes))
         self._persist_lock = threading.Lock()
         self._leases = LeaseTable(clock)
@@ -149,22 +160,26 @@ class StoreCore(Residency):
         for p in persist.clear_stale(self._root, {sv.file for sv in doc.versions.values()}):
             logger.warning("removed %s: no acknowledged version owns it", p)
         lost: list[int] = []
-        for sv in doc.versions.values():
-            if not self._file_ok(sv):
+        for v in sorted(doc.versions):  # a patch's parent is older: it is decided first
+            sv = doc.versions[v]
+            orphan = sv.kind == "patch" and sv.parent not in self._entries
+            if orphan or not self._file_ok(sv):
                 lost.append(sv.version)
                 continue
             e = VersionEntry(
                 sv, sv.created_at, next(self._ticks), verified=not self._verify_first_load
             )
             self._entries[sv.version] = e
-            self._disk.add(sv.nbytes)
+            self._disk.add(sv.disk_nbytes)
         self._newest = doc.newest
         self._watermark = doc.watermark
         self._tombstones = doc.tombstones
         self._leases.load(r for r in doc.leases if r.version in self._entries)
         self._leases.sweep()
         for v in lost:
-            logger.error("version %d: its file is missing or malformed; it is gone", v)
+            logger.error(
+                "version %d: its file (or its chain's) is missing or malformed; it is gone", v
+            )
             persist.quarantine(self._root, doc.versions[v].file)
             self._tombstones.add(v)
         if fresh or lost or doc.specs_sha256 != self._specs_sha:
@@ -180,10 +195,13 @@ class StoreCore(Residency):
         self._retain()
 
     def _file_ok(self, sv: persist.StoredVersion) -> bool:
+        """The file's table matches the model (a patch's bytes are checked when read)."""
         try:
             header = read_safetensors_header(self._weights_dir / sv.file)
         except OldLogitError:
             return False
+        if sv.kind == "patch":
+            return header.file_size == sv.file_nbytes and sv.parent is not None
         found = {n: (e.dtype, e.shape) for n, e in header.tensors.items()}
         return found == self._specs and header.nbytes == sv.nbytes
 
@@ -193,10 +211,12 @@ class StoreCore(Residency):
         *,
         add: persist.StoredVersion | None = None,
         remove: tuple[int, ...] = (),
+        replace: Mapping[int, persist.StoredVersion] | None = None,
         watermark: int | None = None,
         leases: list[LeaseRecord] | None = None,
     ) -> persist.RegistryDoc:
         versions = {v: e.stored for v, e in self._entries.items() if v not in remove}
+        versions.update(replace or {})
         tombstones = self._tombstones.copy()
         for v in remove:
             tombstones.add(v)
@@ -268,10 +288,53 @@ class StoreCore(Residency):
     def _retire_locked(self, version: int, *, evicted: bool = True) -> None:
         e = self._entries.pop(version)
         self._tombstones.add(version)
-        self._disk.remove(e.stored.nbytes, evicted=evicted)
+        self._disk.remove(e.stored.disk_nbytes, evicted=evicted)
         e.retired = True
         if e.pins == 0:
             self._drop_memory_locked(e)
+
+    def _descendants_locked(self, versions: set[int]) -> set[int]:
+        """Retained versions rebuilt through any of ``versions`` (excluding them)."""
+        out: set[int] = set()
+        for v in sorted(self._entries):  # parents are older: one pass sees them first
+            p = self._entries[v].stored.parent
+            if p is not None and (p in versions or p in out):
+                out.add(v)
+        return out - versions
+
+    # -- removal (chains stay whole) --------------------------------------------------------
+    def _rewrites_for_removal(
+        self, remove: set[int]
+    ) -> dict[int, persist.StoredVersion]:  # pragma: no cover - the chains layer provides it
+        """New records (and files, written durably) for retained versions whose chain runs
+        through a removed one. Called with ``_persist_lock`` held."""
+        raise NotImplementedError
+
+    def _remove_versions(self, remove: tuple[int, ...], *, evicted: bool) -> list[str]:
+        """Delete versions durably (tombstoned), rewriting the versions that depend on them
+        first, so no retained chain loses its keyframe. Needs ``_persist_lock``; returns the
+        files to remove after the caller logs."""
+        rewrites = self._rewrites_for_removal(set(remove))
+        with self._lock:
+            old = [self._entries[v].stored.file for v in (*remove, *rewrites)]
+            doc = self._doc_locked(remove=remove, replace=rewrites)
+        try:
+            persist.write_registry(self._root, doc)
+        except BaseException:
+            persist.remove_files(self._weights_dir, [sv.file for sv in rewrites.values()])
+            raise
+        with self._lock:
+            for v in remove:
+                self._retire_locked(v, evicted=evicted)
+            for v, sv in rewrites.items():
+                e = self._entries[v]
+                self._disk.remove(e.stored.disk_nbytes, evicted=False)
+                self._disk.add(sv.disk_nbytes)
+                if e.patch is not None:  # it was against the old parent
+                    self._cpu_tier.remove(e.patch.nbytes, evicted=False, count=False)
+                    e.patch = None
+                e.stored = sv
+        return old
 
     # -- retention --------------------------------------------------------------------------
     def _retain(self) -> None:
@@ -290,27 +353,25 @@ class StoreCore(Residency):
             with self._lock:
                 self._sweep_locked()
                 self._retention_due = False
-                leased = self._leases.leased_versions()
-                cands = [
-                    DiskCandidate(v, e.stored.nbytes, e.last_used, v in leased, e.pins > 0)
-                    for v, e in self._entries.items()
-                ]
-                victims, held = disk_victims(
-                    cands,
-                    watermark=self._watermark,
-                    max_versions=self._max_versions,
-                    budget=self._disk.budget,
-                )
-                self._retention_due = held  # retry when the request holding it lets go
+            # A removal can rewrite a dependent version as a keyframe (more bytes), so the
+            # rules are applied again until they pick nothing; each round removes a version.
+            for _ in range(len(self._entries) + 1):
+                with self._lock:
+                    leased = self._leases.leased_versions()
+                    cands = [
+                        DiskCandidate(v, e.stored.disk_nbytes, e.last_used, v in leased, e.pins > 0)
+                        for v, e in self._entries.items()
+                    ]
+                    victims, held = disk_victims(
+                        cands,
+                        watermark=self._watermark,
+                        max_versions=self._max_versions,
+                        budget=self._disk.budget,
+                    )
+                    self._retention_due = held  # retry when the request holding it lets go
                 if not victims:
                     return
-                remove = tuple(v for v, _ in victims)
-                files = [self._entries[v].stored.file for v in remove]
-                doc = self._doc_locked(remove=remove)
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                for v in remove:
-                    self._retire_locked(v)
-            persist.remove_files(self._weights_dir, files)
-        for v, why in victims:
-            logger.info("deleted version %d from disk (%s)", v, why)
+                files = self._remove_versions(tuple(v for v, _ in victims), evicted=True)
+                persist.remove_files(self._weights_dir, files)
+                for v, why in victims:
+                    logger.info("deleted version %d from disk (%s)", v, why)

@@ -7,7 +7,8 @@ nothing of tiers, budgets or locks; callers order the steps (file first, registr
     ROOT/
       LOCK               flock'd by the process that has the store open
       registry.json      every acknowledged version, tombstones, watermark, leases
-      weights/           v<version>.<token>.safetensors keyframes; .tmp-* are in-flight writes
+      weights/           v<version>.<token>.safetensors keyframes, v<version>.<token>.patch
+                         patches (``codec``); .tmp-* are in-flight writes
       incoming/          uploads being streamed in by the HTTP layer (stale ones cleared on open)
       quarantine/        files that failed their sha256 check, kept for inspection
 """
@@ -53,7 +54,13 @@ _CHUNK = 16 * 1024 * 1024
 
 
 class CorruptSnapshot(Exception):
-    """A keyframe file that is missing, malformed, or whose bytes fail the weight hash."""
+    """A keyframe or patch file that is missing, malformed, or whose bytes fail their hash.
+
+    ``version`` names the version whose file is bad, when known (a rebuild reads several)."""
+
+    def __init__(self, message: str, version: int | None = None) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 # -- durable writes ---------------------------------------------------------------------
@@ -170,11 +177,18 @@ class StoredVersion:
     nbytes: int
     file: str  # name under weights/
     created_at: float
-    kind: str = "keyframe"  # issue C adds "patch"
+    kind: str = "keyframe"  # or "patch": the changed elements against ``parent``
     parent: int | None = None
+    file_nbytes: int = 0  # a patch file's size (a keyframe's is its data, ``nbytes``)
+    file_sha256: str | None = None  # a patch file's tensor hash, checked on every read
+
+    @property
+    def disk_nbytes(self) -> int:
+        """What this version costs the disk tier."""
+        return self.file_nbytes if self.kind == "patch" else self.nbytes
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "version": self.version,
             "sha256": self.sha256,
             "nbytes": self.nbytes,
@@ -183,6 +197,10 @@ class StoredVersion:
             "kind": self.kind,
             "parent": self.parent,
         }
+        if self.kind == "patch":
+            d["file_nbytes"] = self.file_nbytes
+            d["file_sha256"] = self.file_sha256
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StoredVersion:
@@ -195,6 +213,8 @@ class StoredVersion:
             created_at=float(d["created_at"]),
             kind=str(d.get("kind", "keyframe")),
             parent=None if parent is None else int(parent),
+            file_nbytes=int(d.get("file_nbytes", 0)),
+            file_sha256=d.get("file_sha256"),
         )
 
 
@@ -284,18 +304,25 @@ def keyframe_name(version: int) -> str:
     return f"v{version:012d}.{uuid.uuid4().hex[:12]}.safetensors"
 
 
+def patch_name(version: int) -> str:
+    return f"v{version:012d}.{uuid.uuid4().hex[:12]}.patch"
+
+
 def temp_path(directory: Path) -> Path:
     return directory / f"{TMP_PREFIX}{uuid.uuid4().hex}.safetensors"
 
 
-def write_keyframe(path: Path, sources: Mapping[str, TensorSource]) -> str:
+def write_keyframe(
+    path: Path, sources: Mapping[str, TensorSource], metadata: Mapping[str, str] | None = None
+) -> str:
     """Write a safetensors file at ``path`` (new, fsynced) and return the weight hash.
 
     One pass: each tensor is read once, hashed in name order and written to its place.
     Larger item sizes come first so every tensor is aligned for a zero-copy dtype view.
+    Patch files are written the same way (their tensors are ``codec.file_tensors``).
     """
     layout = sorted(sources.values(), key=lambda s: (-DTYPE_ITEMSIZE[s.dtype], s.name))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offsets: dict[str, int] = {}
     cursor = 0
     for s in layout:
@@ -344,7 +371,7 @@ def fsync_file(path: Path) -> None:
 
 
 def read_keyframe(
-    path: Path, *, pin: bool, expect_sha256: str | None
+    path: Path, *, pin: bool, expect_sha256: str | None, version: int | None = None
 ) -> tuple[torch.Tensor, SafetensorsHeader]:
     """Read a keyframe's data region into one CPU uint8 buffer (page-locked with ``pin``).
 
@@ -354,7 +381,7 @@ def read_keyframe(
     try:
         header = read_safetensors_header(path)
     except Exception as exc:  # InvalidRequest for malformed files: here it means corruption
-        raise CorruptSnapshot(f"{path.name}: {exc}") from exc
+        raise CorruptSnapshot(f"{path.name}: {exc}", version) from exc
     buf = torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=pin)  # [nbytes]
     view = buf.numpy().data.cast("B")
     try:
@@ -364,20 +391,54 @@ def read_keyframe(
             while pos < header.nbytes:
                 n = f.readinto(view[pos : pos + _CHUNK])
                 if not n:
-                    raise CorruptSnapshot(f"{path.name} was truncated")
+                    raise CorruptSnapshot(f"{path.name} was truncated", version)
                 pos += n
     except FileNotFoundError as exc:
-        raise CorruptSnapshot(f"{path.name} is missing") from exc
+        raise CorruptSnapshot(f"{path.name} is missing", version) from exc
     if expect_sha256 is not None:
-        hasher = WeightHasher()
-        for name in sorted(header.tensors):
-            e = header.tensors[name]
-            hasher.begin(name, e.dtype, e.shape)
-            hasher.update(view[e.begin : e.end])
-        got = hasher.hexdigest()
+        got = hash_buffer(view, header.tensors.values())
         if got != expect_sha256:
-            raise CorruptSnapshot(f"{path.name} hashes to {got}, the registry says {expect_sha256}")
+            raise CorruptSnapshot(
+                f"{path.name} hashes to {got}, the registry says {expect_sha256}", version
+            )
     return buf, header
+
+
+def hash_buffer(data: memoryview | Any, layout: Iterable[TensorEntry]) -> str:
+    """The weight hash of tensors laid out in one byte buffer (a memoryview or uint8 array)."""
+    view = memoryview(data).cast("B")
+    hasher = WeightHasher()
+    for e in sorted(layout, key=lambda e: e.name):
+        hasher.begin(e.name, e.dtype, e.shape)
+        hasher.update(view[e.begin : e.end])
+    return hasher.hexdigest()
+
+
+def buffer_from_sources(
+    sources: Mapping[str, TensorSource], *, pin: bool
+) -> tuple[torch.Tensor, tuple[TensorEntry, ...], str]:
+    """Read checked sources into one CPU uint8 buffer (keyframe layout) and hash them: the
+    in-memory twin of ``write_keyframe``, for publishes that diff against a parent."""
+    order = sorted(sources.values(), key=lambda s: (-DTYPE_ITEMSIZE[s.dtype], s.name))
+    layout: list[TensorEntry] = []
+    cursor = 0
+    for s in order:
+        layout.append(TensorEntry(s.name, s.dtype, s.shape, cursor, cursor + s.nbytes))
+        cursor += s.nbytes
+    buf = torch.empty(cursor, dtype=torch.uint8, pin_memory=pin)  # [nbytes]
+    view = buf.numpy().data.cast("B")
+    where = {e.name: e for e in layout}
+    hasher = WeightHasher()
+    for name in sorted(sources):
+        s, e = sources[name], where[name]
+        hasher.begin(name, s.dtype, s.shape)
+        pos = e.begin
+        for chunk in s.chunks():
+            hasher.update(chunk)  # checks the byte count before the copy below overruns
+            n = memoryview(chunk).nbytes
+            view[pos : pos + n] = memoryview(chunk).cast("B")
+            pos += n
+    return buf, tuple(layout), hasher.hexdigest()
 
 
 def aligned(header: SafetensorsHeader) -> bool:

@@ -1,38 +1,48 @@
-"""Publishing: a state dict or safetensors file becomes a durable, visible version.
+"""Publishing: full weights or a delta becomes a durable, visible version.
 
-In: weights (checked against ``param_specs`` before any data is read) and an optional
-expected sha256. Out: a ``PublishOutcome`` once file and registry record are durable
-(temp → fsync → rename → fsync dir → registry), or a typed error with nothing left behind.
+In: weights (checked against ``param_specs`` before any data is read) or a delta file against
+a retained parent, and an optional expected sha256. Out: a ``PublishOutcome`` once file and
+registry record are durable (temp → fsync → rename → fsync dir → registry), or a typed error
+with nothing left behind. With patches on, new weights are diffed against their parent and
+stored as a patch or a keyframe as the keyframe policy says.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from oldlogit._delta import bits_view
 from oldlogit.errors import (
     InvalidRequest,
+    NotFound,
     OutOfMemory,
+    ParentMissing,
     VersionConflict,
+    VersionEvicted,
     VersionNotIncreasing,
     WeightsMismatch,
 )
-from oldlogit_service.snapshots import ingest, persist
-from oldlogit_service.snapshots.core import StoreCore, check_sha, check_version
+from oldlogit.weights import DTYPE_ITEMSIZE
+from oldlogit_service.snapshots import codec, ingest, persist
+from oldlogit_service.snapshots.chains import Chains
+from oldlogit_service.snapshots.core import check_sha, check_version
 from oldlogit_service.snapshots.records import PublishOutcome
-from oldlogit_service.snapshots.residency import VersionEntry
+from oldlogit_service.snapshots.residency import Resident, VersionEntry
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Publishing"]
 
 
-class Publishing(StoreCore):
+class Publishing(Chains):
     def publish(
         self,
         version: int,
@@ -55,6 +65,8 @@ class Publishing(StoreCore):
                 raise InvalidRequest("cast applies to state dicts only", parameter="cast")
             return self.publish_file(version, Path(weights), expected_sha256=expected)
         sources = ingest.state_dict_sources(weights, self._specs, cast=cast)
+        if self._patches_on():
+            return self._publish_buffered(version, sources, expected)
         return self._publish_sources(version, sources, expected)
 
     def publish_file(
@@ -73,6 +85,10 @@ class Publishing(StoreCore):
         self._check_open()
         path = Path(path)
         sources, headers = ingest.file_sources(path, self._specs)
+        if self._patches_on():
+            out = self._publish_buffered(version, sources, expected)
+            self._after_op()
+            return out
         # A moved file is served as laid out; one with a tensor at an offset its dtype view
         # cannot use (e.g. name-ordered mixed dtypes) is rewritten in the aligned layout.
         if move and path.is_file() and persist.aligned(headers[0]):
@@ -181,8 +197,18 @@ class Publishing(StoreCore):
             ) from exc
 
     def _commit(self, version: int, sha: str, name: str) -> PublishOutcome:
-        """Record a durable file; the version becomes visible only after the registry write."""
-        final = self._weights_dir / name
+        return self._commit_stored(
+            persist.StoredVersion(version, sha, self._snapshot_nbytes, name, self._clock())
+        )
+
+    def _commit_stored(
+        self, stored: persist.StoredVersion, res: Resident | None = None
+    ) -> PublishOutcome:
+        """Record a durable file; the version becomes visible only after the registry write.
+        ``res``: its weights in CPU memory, kept resident if they fit (the newest version is
+        the next one's parent, and the likeliest to be asked for)."""
+        version, sha = stored.version, stored.sha256
+        final = self._weights_dir / stored.file
         existing: str | None = None
         try:
             with self._persist_lock:
@@ -190,9 +216,8 @@ class Publishing(StoreCore):
                     self._sweep_locked()
                     existing = self._precheck_locked(version)  # a racing publish may have won
                     if existing is None:
-                        stored = persist.StoredVersion(
-                            version, sha, self._snapshot_nbytes, name, self._clock()
-                        )
+                        if stored.parent is not None and stored.parent not in self._entries:
+                            raise self._parent_missing(version, stored.parent, "was deleted")
                         doc = self._doc_locked(add=stored)
                 if existing is None:
                     persist.write_registry(self._root, doc)
@@ -202,17 +227,119 @@ class Publishing(StoreCore):
                         )
                         self._entries[version] = e
                         self._newest = doc.newest
-                        self._disk.add(stored.nbytes)
+                        self._disk.add(stored.disk_nbytes)
                         self._publishes += 1
+                        if res is not None:
+                            self._offer_locked(e, res, rebuild_cost=self._rebuild_cost_locked(e))
         except BaseException:
             final.unlink(missing_ok=True)
             raise
         if existing is not None:
             final.unlink(missing_ok=True)
             return self._same_or_conflict(version, sha, existing)
-        logger.info("published version %d (sha256 %s, %d bytes)", version, sha, stored.nbytes)
+        logger.info(
+            "published version %d as a %s (sha256 %s, %d bytes on disk)",
+            version,
+            stored.kind,
+            sha,
+            stored.disk_nbytes,
+        )
         self._retain()
-        return PublishOutcome(version, sha, True, stored.nbytes)
+        return PublishOutcome(version, sha, True, stored.nbytes, stored.kind)
+
+    # -- patches ----------------------------------------------------------------------------
+    def _patches_on(self) -> bool:
+        return self._keyframe_every > 1
+
+    def _parent_missing(self, version: int, parent: int, why: str) -> ParentMissing:
+        rng = self._retained_locked()
+        return ParentMissing(
+            f"the delta for policy_version {version} is against parent {parent}, which {why}; "
+            "publish the full weights instead (Client.publish(..., fallback_full=True) does)",
+            parameter="parent",
+            details={"parent": parent, "retained": list(rng) if rng else None},
+        )
+
+    @staticmethod
+    def _bits(res: Resident) -> dict[str, Any]:
+        assert res.buffer is not None
+        data = res.buffer.numpy()
+        return {
+            e.name: bits_view(data[e.begin : e.end], DTYPE_ITEMSIZE[e.dtype]) for e in res.layout
+        }
+
+    def _publish_buffered(
+        self, version: int, sources: Mapping[str, persist.TensorSource], expected: str | None
+    ) -> PublishOutcome:
+        """Full weights, read into memory once: hashed, diffed against the newest retained
+        version, stored as a patch or a keyframe."""
+        with self._lock:
+            existing = self._precheck_locked(version)
+        if existing is not None:  # a retry: hash only, write nothing
+            sha = ingest.hash_sources(sources)
+            self._check_expected(sha, expected)
+            return self._same_or_conflict(version, sha, existing)
+        buf, layout, sha = persist.buffer_from_sources(sources, pin=self._pin_host)
+        self._check_expected(sha, expected)
+        res = Resident(buf, layout, persist.tensor_views(buf, layout), self._snapshot_nbytes)
+        with self._lock:
+            parent = max(self._entries) if self._entries else None
+        return self._store_version(version, sha, res, parent=parent, patch=None)
+
+    def _store_version(
+        self,
+        version: int,
+        sha: str,
+        res: Resident,
+        *,
+        parent: int | None,
+        patch: codec.Patch | None,
+    ) -> PublishOutcome:
+        due = True
+        if parent is not None and self._patches_on():
+            if patch is None:
+                try:
+                    with self._cpu_weights(parent) as base:
+                        patch = codec.diff(self._bits(base), self._bits(res))
+                except (NotFound, VersionEvicted):  # deleted meanwhile: store it whole
+                    patch = None
+            if patch is not None:
+                with self._lock:
+                    pe = self._entries.get(parent)
+                    due = pe is None or self._keyframe_due_locked(pe, self._patch_nbytes(patch))
+        try:
+            if not due:
+                assert parent is not None and patch is not None
+                stored = self._write_patch(version, parent, patch, sha, self._clock())
+            else:
+                stored = self._write_buffer_keyframe(version, res, sha)
+        except OSError as exc:
+            self._raise_if_disk_full(exc)
+            raise
+        return self._commit_stored(stored, res)
+
+    def _write_buffer_keyframe(
+        self, version: int, res: Resident, sha: str
+    ) -> persist.StoredVersion:
+        assert res.buffer is not None
+        data = res.buffer.numpy()
+        sources = {
+            e.name: persist.TensorSource(
+                e.name, e.dtype, e.shape, functools.partial(_slice, data, e.begin, e.end)
+            )
+            for e in res.layout
+        }
+        tmp = persist.temp_path(self._weights_dir)
+        name = persist.keyframe_name(version)
+        try:
+            written = persist.write_keyframe(tmp, sources)
+            if written != sha:  # the buffer changed under us: never store what was not checked
+                raise WeightsMismatch("the weights changed while being stored", parameter="weights")
+            persist.durable_rename(tmp, self._weights_dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return persist.StoredVersion(version, sha, self._snapshot_nbytes, name, self._clock())
 
     @property
     def staging_dir(self) -> Path:
@@ -221,3 +348,7 @@ class Publishing(StoreCore):
         d = self._root / persist.INCOMING
         d.mkdir(exist_ok=True)
         return d
+
+
+def _slice(data: Any, begin: int, end: int) -> list[memoryview]:
+    return [memoryview(data[begin:end])]

@@ -25,9 +25,10 @@ class VersionRecord:
     sha256: str
     nbytes: int  # bytes of the full weights in the serving dtype
     tiers: frozenset[str]  # where it is resident now: "device", "host", "disk"
-    kind: str  # "keyframe" (issue C adds "patch")
+    kind: str  # "keyframe" or "patch" (the changed elements against ``parent``)
     parent: int | None
     leases: int
     created_at: float  # clock seconds of the publish
     last_used: float  # clock seconds of the last acquire (or the publish)
     in_use: int = 0  # requests holding it right now
+    stored_nbytes: int = 0  # bytes its file takes on disk (a patch: far less than nbytes)

@@ -2,8 +2,9 @@
 
 In: pinned entries to make resident. Out: their tensors on the serving device, loaded once
 however many threads ask, with device bytes never above budget + one snapshot (the one being
-loaded). Where bytes come from is the subclass's ``_materialize``; this layer never touches
-the registry or the disk layout.
+loaded). Decoded patches live in the tier that holds CPU copies (device on CPU, host before a
+GPU) and compete in the same LRU. Where bytes come from is the subclass's ``_materialize``;
+this layer never touches the registry or the disk layout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from oldlogit.errors import Overloaded
 from oldlogit.weights import TensorEntry
+from oldlogit_service.snapshots.codec import Patch
 from oldlogit_service.snapshots.persist import StoredVersion, tensor_views
 from oldlogit_service.snapshots.tiers import (
     DEVICE,
@@ -27,7 +29,7 @@ from oldlogit_service.snapshots.tiers import (
     HOST,
     MemoryCandidate,
     TierAccount,
-    memory_victims,
+    memory_victim_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ class VersionEntry:
     host: Resident | None = None
     pins: int = 0  # requests holding it (including loads in flight)
     retired: bool = False  # deleted from disk; memory copies go when the last pin does
+    patch: Patch | None = None  # a patch version's decoded patch, cached (CPU memory)
+    patch_used: float = 0.0  # clock seconds of the last rebuild that read ``patch``
+    patch_tick: int = 0
 
     def tiers(self) -> frozenset[str]:
         out = set() if self.retired else {DISK}
@@ -118,6 +123,25 @@ class Residency:
     def _evicted_while_loading(self, entry: VersionEntry) -> Exception:
         raise NotImplementedError
 
+    def _rebuild_cost_locked(self, entry: VersionEntry) -> float:
+        """Snapshot loads needed to bring its weights back from disk (patches: more)."""
+        return 1.0
+
+    def _patch_cost_locked(self, entry: VersionEntry) -> float:
+        """Snapshot loads needed to bring its decoded patch back from disk."""
+        return 0.0
+
+    @property
+    def _cpu_tier(self) -> TierAccount:
+        """The tier that holds CPU copies: host in front of a GPU, else device (process
+        memory). Decoded patches and rebuild bases live here."""
+        return self._host_tier if self._host_enabled else self._device_tier
+
+    @property
+    def _direct(self) -> bool:
+        """Device copies are the CPU copies themselves (no host tier, no transfer)."""
+        return self._device.type == "cpu" and not self._host_enabled
+
     # -- use --------------------------------------------------------------------------------
     def _touch_locked(self, entry: VersionEntry) -> None:
         entry.last_used = self._clock()
@@ -168,8 +192,7 @@ class Residency:
                 if host is None:
                     host = self._materialize(entry)
                 # With a host tier (a GPU), the device copy is a transfer from the host copy.
-                direct = self._device.type == "cpu" and not self._host_enabled
-                dev = host if direct else self._to_device(host)
+                dev = host if self._direct else self._to_device(host)
             except BaseException:
                 with self._cond:
                     self._device_tier.reserve(0)
@@ -234,39 +257,90 @@ class Residency:
             self._cond.notify_all()
 
     # -- eviction ---------------------------------------------------------------------------
-    def _evict_device_locked(self, incoming: int = 0) -> None:
-        tier = self._device_tier
-        if tier.resident + incoming <= tier.budget:
-            return
-        cands = [
-            MemoryCandidate(v, e.device.nbytes, e.last_used, e.tick, 0 if e.host else 1)
-            for v, e in self._entries.items()
-            if e.device is not None and e.pins == 0
-        ]
-        for v in memory_victims(
-            cands, resident=tier.resident, incoming=incoming, budget=tier.budget
-        ):
-            e = self._entries[v]
+    def _candidates_locked(self, tier: TierAccount) -> list[MemoryCandidate]:
+        out: list[MemoryCandidate] = []
+        patches_here = tier is self._cpu_tier
+        for v, e in self._entries.items():
+            if tier is self._device_tier and e.device is not None and e.pins == 0:
+                cost = 0.0 if e.host is not None else self._rebuild_cost_locked(e)
+                out.append(MemoryCandidate(v, e.device.nbytes, e.last_used, e.tick, cost))
+            if tier is self._host_tier and e.host is not None:
+                cost = self._rebuild_cost_locked(e)
+                out.append(MemoryCandidate(v, e.host.nbytes, e.last_used, e.tick, cost))
+            if patches_here and e.patch is not None:
+                cost = self._patch_cost_locked(e)
+                out.append(
+                    MemoryCandidate(
+                        v, e.patch.nbytes, e.patch_used, e.patch_tick, cost, part="patch"
+                    )
+                )
+        return out
+
+    def _drop_part_locked(self, tier: TierAccount, c: MemoryCandidate) -> None:
+        e = self._entries[c.version]
+        if c.part == "patch":
+            assert e.patch is not None
+            tier.remove(e.patch.nbytes, evicted=True, count=False)
+            e.patch = None
+        elif tier is self._device_tier:
             assert e.device is not None
             tier.remove(e.device.nbytes, evicted=True)
             e.device = None
-            logger.debug("evicted version %d from the device tier", v)
-
-    def _evict_host_locked(self) -> None:
-        tier = self._host_tier
-        if tier.resident <= tier.budget:
-            return
-        cands = [
-            MemoryCandidate(v, e.host.nbytes, e.last_used, e.tick, 1)
-            for v, e in self._entries.items()
-            if e.host is not None
-        ]
-        for v in memory_victims(cands, resident=tier.resident, incoming=0, budget=tier.budget):
-            e = self._entries[v]
+        else:
             assert e.host is not None
             tier.remove(e.host.nbytes, evicted=True)
             e.host = None
-            logger.debug("evicted version %d from the host tier", v)
+        logger.debug("evicted version %d (%s) from the %s tier", c.version, c.part, tier.name)
+
+    def _evict_locked(self, tier: TierAccount, incoming: int = 0) -> None:
+        if tier.resident + incoming <= tier.budget:
+            return
+        cands = self._candidates_locked(tier)
+        for c in memory_victim_parts(
+            cands, resident=tier.resident, incoming=incoming, budget=tier.budget
+        ):
+            self._drop_part_locked(tier, c)
+
+    def _evict_device_locked(self, incoming: int = 0) -> None:
+        self._evict_locked(self._device_tier, incoming)
+
+    def _evict_host_locked(self) -> None:
+        self._evict_locked(self._host_tier)
+
+    def _offer_locked(
+        self, entry: VersionEntry, item: Resident | Patch, *, rebuild_cost: float
+    ) -> bool:
+        """Keep a CPU copy made anyway (a rebuild base, a decoded patch, published weights)
+        if it fits in the CPU tier by evicting only colder copies; never waits, never goes
+        over budget (counting a load in flight). False: the caller just drops it."""
+        tier = self._cpu_tier
+        if entry.retired or entry.stored.version not in self._entries:
+            return False
+        is_patch = isinstance(item, Patch)
+        if entry.patch if is_patch else entry.host if self._host_enabled else entry.device:
+            return False  # already held
+        n = item.nbytes
+        me = MemoryCandidate(entry.stored.version, n, self._clock(), 0, rebuild_cost)
+        colder = [c for c in self._candidates_locked(tier) if c.keep_until < me.keep_until]
+        room = tier.budget - tier.reserved
+        if n > room:
+            return False
+        victims = memory_victim_parts(colder, resident=tier.resident, incoming=n, budget=room)
+        if tier.resident - sum(c.nbytes for c in victims) + n > room:
+            return False
+        for c in victims:
+            self._drop_part_locked(tier, c)
+        if isinstance(item, Patch):
+            entry.patch = item
+            entry.patch_used, entry.patch_tick = self._clock(), next(self._ticks)
+            tier.add(n, count=False)
+        elif self._host_enabled:
+            entry.host = item
+            tier.add(n)
+        else:
+            entry.device = item
+            tier.add(n)
+        return True
 
     def _drop_memory_locked(self, entry: VersionEntry) -> None:
         if entry.device is not None:
@@ -275,3 +349,6 @@ class Residency:
         if entry.host is not None:
             self._host_tier.remove(entry.host.nbytes, evicted=False)
             entry.host = None
+        if entry.patch is not None:
+            self._cpu_tier.remove(entry.patch.nbytes, evicted=False, count=False)
+            entry.patch = None

@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, error_from_payload
+from oldlogit.errors import Conflict, InvalidRequest
 from oldlogit_service.snapshots import persist
 from oldlogit_service.snapshots.core import check_version
+from oldlogit_service.snapshots.deltas import Deltas
+from oldlogit_service.snapshots.lagging import LaggingModel
 from oldlogit_service.snapshots.leases import LeaseRecord
-from oldlogit_service.snapshots.publishing import Publishing
 from oldlogit_service.snapshots.records import VersionRecord
-from oldlogit_service.snapshots.residency import Resident, VersionEntry
+from oldlogit_service.snapshots.residency import VersionEntry
 from oldlogit_service.snapshots.tiers import DISK
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,12 @@ _COUNTERS = (
     "load_waits",
     "bytes_read",
     "verified_loads",
+    "rebuilds",
+    "patches_applied",
 )
 
 
-class SnapshotStore(Publishing):
+class SnapshotStore(Deltas):
     """Every acknowledged version's weights, served from the fastest tier that holds them.
 
     ``SnapshotStore(root, *, param_specs, device, device_budget_bytes, host_budget_bytes,
@@ -57,6 +60,8 @@ class SnapshotStore(Publishing):
       versions are tombstoned (``VersionEvicted`` with the retained range), durably.
     - The watermark only moves up; lowering it is refused (``InvalidRequest``).
     - Leases are persisted with wall-clock expiry, so they survive a restart.
+    - Versions are keyframes or patches (``chains``); memory tiers also hold decoded patches
+      and rebuild bases, and the LRU credits what a copy would cost to rebuild.
     """
 
     # -- acquire ----------------------------------------------------------------------------
@@ -77,64 +82,18 @@ class SnapshotStore(Publishing):
             self._unpin(entry)
             self._after_op()
 
-    def _pin(self, version: int) -> tuple[VersionEntry, Resident]:
+    _lagging: LaggingModel | None = None
+
+    def acquire_lagging(
+        self, version: int
+    ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
+        """Like ``acquire``, through the lagging model (``--strategy lagging``): one resident
+        copy advanced by patches; a version it has passed comes from ``acquire``."""
         with self._lock:
-            self._sweep_locked()
-            entry = self._live_locked(version)
-            entry.pins += 1
-            self._touch_locked(entry)
-            if entry.device is not None:
-                self._counters["device_hits"] += 1
-                return entry, entry.device
-        try:
-            return entry, self._load_shared(entry)
-        except persist.CorruptSnapshot as exc:
-            logger.error("version %d failed verification: %s", version, exc)
-            self._unpin(entry)
-            self._lose(version, entry)
-            with self._lock:
-                raise self._missing_error(
-                    version, "its file failed verification and was quarantined"
-                ) from exc
-        except OldLogitError as exc:
-            self._unpin(entry)
-            # A follower re-raises a copy, so threads do not share one traceback.
-            raise error_from_payload(exc.to_payload()) from exc
-        except BaseException:
-            self._unpin(entry)
-            raise
-
-    def _evicted_while_loading(self, entry: VersionEntry) -> Exception:
-        return self._missing_error(entry.stored.version)
-
-    def _lose(self, version: int, entry: VersionEntry) -> None:
-        with self._persist_lock:
-            with self._lock:
-                if self._entries.get(version) is not entry:
-                    return
-                doc = self._doc_locked(remove=(version,))
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                self._retire_locked(version)
-            persist.quarantine(self._root, entry.stored.file)
-
-    def _materialize(self, entry: VersionEntry) -> Resident:
-        """A version's weights in CPU memory (page-locked for a GPU), from disk.
-
-        The one seam for issue C: a keyframe is read from its file; a patch will be rebuilt
-        here from its nearest keyframe plus patches, with the same result.
-        """
-        if entry.stored.kind != "keyframe":
-            raise NotImplementedError(f"version kind {entry.stored.kind!r}")
-        verify = None if entry.verified else entry.stored.sha256
-        buf, header = persist.read_keyframe(
-            self._weights_dir / entry.stored.file, pin=self._pin_host, expect_sha256=verify
-        )
-        layout = tuple(header.tensors.values())
-        with self._lock:
-            self._counters["bytes_read"] += header.nbytes
-            self._counters["verified_loads"] += verify is not None
-        return Resident(buf, layout, persist.tensor_views(buf, layout), header.nbytes)
+            if self._lagging is None:
+                self._lagging = LaggingModel(self)
+            lag = self._lagging
+        return lag.acquire(version)
 
     def set_watermark(self, version: int) -> int:
         """The trainer will never ask below ``version``: unleased versions below it are deleted.
@@ -167,7 +126,9 @@ class SnapshotStore(Publishing):
 
     def delete(self, version: int) -> bool:
         """Delete a version (tombstoned: requests get VersionEvicted). Refused while leased;
-        requests already holding it finish. False when it was already gone."""
+        requests already holding it finish. Versions rebuilt through it are rewritten first
+        (rebased onto its parent, or made keyframes when it is their keyframe). False when
+        it was already gone."""
         version = check_version(version)
         self._check_open()
         with self._persist_lock:
@@ -175,7 +136,7 @@ class SnapshotStore(Publishing):
                 self._sweep_locked()
                 if version in self._tombstones:
                     return False
-                e = self._live_locked(version)
+                self._live_locked(version)
                 n = self._leases.count(version)
                 if n:
                     raise Conflict(
@@ -183,13 +144,28 @@ class SnapshotStore(Publishing):
                         parameter="policy_version",
                         details={"leases": n},
                     )
-                doc = self._doc_locked(remove=(version,))
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                self._retire_locked(version, evicted=False)
-            persist.remove_files(self._weights_dir, [e.stored.file])
+            files = self._remove_versions((version,), evicted=False)
+            persist.remove_files(self._weights_dir, files)
         logger.info("deleted version %d on request", version)
         return True
+
+    def evict(self, version: int) -> bool:
+        """Drop a version's weights from the memory tiers now (its decoded patch and the rest
+        stay); the next acquire rebuilds it. For operators and benchmarks; False if it was
+        not resident or is in use."""
+        version = check_version(version)
+        with self._cond:
+            e = self._live_locked(version)
+            if e.pins or (e.device is None and e.host is None):
+                return False
+            if e.device is not None:
+                self._device_tier.remove(e.device.nbytes, evicted=True)
+                e.device = None
+            if e.host is not None:
+                self._host_tier.remove(e.host.nbytes, evicted=True)
+                e.host = None
+            self._cond.notify_all()
+            return True
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, version: int, holder: str, ttl_s: float) -> LeaseRecord:
@@ -245,6 +221,7 @@ class SnapshotStore(Publishing):
             tiers=e.tiers(),
             kind=e.stored.kind,
             parent=e.stored.parent,
+            stored_nbytes=e.stored.disk_nbytes,
             leases=self._leases.count(e.stored.version),
             created_at=e.stored.created_at,
             last_used=e.last_used,
@@ -315,6 +292,7 @@ class SnapshotStore(Publishing):
                 "snapshot_bytes": self._snapshot_nbytes,
                 "load_seconds": self._load_seconds,
                 **{k: self._counters.get(k, 0) for k in _COUNTERS},
+                "lagging": {} if self._lagging is None else dict(self._lagging.counters),
             }
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -326,6 +304,9 @@ class SnapshotStore(Publishing):
             self._closed = True
             for e in self._entries.values():
                 self._drop_memory_locked(e)
+            lag, self._lagging = self._lagging, None
+        if lag is not None:
+            lag.close()
         self._lockfile.close()
 
     def __enter__(self) -> SnapshotStore:

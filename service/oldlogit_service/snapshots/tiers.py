@@ -1,8 +1,8 @@
 """Tier accounting and the eviction policies, as pure functions over plain candidates.
 
 In: per-version residency facts (bytes, last use, rebuild cost, protection). Out: which
-versions to drop from a memory tier, or to delete from disk. Nothing here touches tensors,
-files or locks, so the policies are tested with plain lists.
+versions (or decoded patches) to drop from a memory tier, or to delete from disk. Nothing here
+touches tensors, files or locks, so the policies are tested with plain lists.
 """
 
 from __future__ import annotations
@@ -14,16 +14,24 @@ __all__ = [
     "DEVICE",
     "DISK",
     "HOST",
+    "REBUILD_WEIGHT_S",
     "DiskCandidate",
     "MemoryCandidate",
     "TierAccount",
     "disk_victims",
+    "memory_victim_parts",
     "memory_victims",
 ]
 
 DEVICE = "device"
 HOST = "host"
 DISK = "disk"
+
+# Seconds of recency one unit of rebuild cost is worth (1.0 = one full snapshot load): a version
+# rebuilt from a keyframe plus patches costing 3 loads is kept as if used 0.3 s more recently
+# than a keyframe copy. Small next to how long versions stay hot in RL, large next to the gaps
+# between requests, so among recently used copies the expensive ones stay.
+REBUILD_WEIGHT_S = 0.1
 
 
 @dataclass
@@ -38,14 +46,15 @@ class TierAccount:
     reserved: int = 0  # bytes of a load in flight (counted towards ``peak``)
     peak: int = 0  # the most bytes ever resident + reserved: the budget test reads it
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, *, count: bool = True) -> None:
+        """``count=False``: bytes that are not a version's weights (a decoded patch)."""
         self.resident += nbytes
-        self.versions += 1
+        self.versions += count
         self._observe()
 
-    def remove(self, nbytes: int, *, evicted: bool) -> None:
+    def remove(self, nbytes: int, *, evicted: bool, count: bool = True) -> None:
         self.resident -= nbytes
-        self.versions -= 1
+        self.versions -= count
         if evicted:
             self.evictions += 1
 
@@ -68,31 +77,47 @@ class TierAccount:
 
 @dataclass(frozen=True)
 class MemoryCandidate:
-    """An unpinned version resident in a memory tier."""
+    """An unpinned copy in a memory tier: a version's weights, or its decoded patch."""
 
     version: int
     nbytes: int
     last_used: float  # clock seconds
     tick: int  # a strictly increasing use counter: the final tie-break
-    rebuild_cost: int  # 0: a copy in a lower memory tier; 1: a disk keyframe (patches: more)
+    # In snapshot loads: 0 a copy in a lower memory tier, 1 a disk keyframe, more for a
+    # version rebuilt through a chain of patches, a fraction for a decoded patch.
+    rebuild_cost: float
+    part: str = "weights"  # or "patch"
+
+    @property
+    def keep_until(self) -> float:
+        """The eviction key: last use, credited for what bringing it back would cost."""
+        return self.last_used + REBUILD_WEIGHT_S * self.rebuild_cost
+
+
+def memory_victim_parts(
+    candidates: Iterable[MemoryCandidate], *, resident: int, incoming: int, budget: int
+) -> list[MemoryCandidate]:
+    """What to drop, lowest ``keep_until`` first, until ``resident + incoming <= budget``.
+
+    On equal keys, the cheapest to bring back goes first (a copy one tier down, then the
+    smaller one).
+    """
+    out: list[MemoryCandidate] = []
+    order = sorted(candidates, key=lambda c: (c.keep_until, c.rebuild_cost, c.nbytes, c.tick))
+    for c in order:
+        if resident + incoming <= budget:
+            break
+        out.append(c)
+        resident -= c.nbytes
+    return out
 
 
 def memory_victims(
     candidates: Iterable[MemoryCandidate], *, resident: int, incoming: int, budget: int
 ) -> list[int]:
-    """Versions to drop, least recently used first, until ``resident + incoming <= budget``.
-
-    On equal last use, the cheapest to bring back goes first (a copy one tier down, then the
-    smaller one).
-    """
-    out: list[int] = []
-    order = sorted(candidates, key=lambda c: (c.last_used, c.rebuild_cost, c.nbytes, c.tick))
-    for c in order:
-        if resident + incoming <= budget:
-            break
-        out.append(c.version)
-        resident -= c.nbytes
-    return out
+    """The versions ``memory_victim_parts`` drops."""
+    parts = memory_victim_parts(candidates, resident=resident, incoming=incoming, budget=budget)
+    return [c.version for c in parts]
 
 
 @dataclass(frozen=True)

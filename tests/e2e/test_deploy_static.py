@@ -1,0 +1,476 @@
+"""The deploy files, checked without a Docker engine or a cluster.
+
+- Dockerfile: hadolint passes; multi-stage, non-root, the pinned torch; .dockerignore keeps
+  the build context to what is copied; ENTRYPOINT + CMD and the HEALTHCHECK run here.
+- docker-compose.yml: the compose-spec schema accepts it; the topology is the promised one;
+  every ``command``, ``entrypoint`` and ``healthcheck`` runs against local servers (real
+  redis-server, real ``oldlogit serve``, the demo trainer and rollout worker), with only ports,
+  host names and paths rewritten.
+- deploy/k8s: ``kubectl kustomize`` builds each overlay, ``kubernetes-validate`` accepts it for
+  the pinned Kubernetes version (deploy/k8s/KUBERNETES_VERSION), and the probes, grace period,
+  selectors, ConfigMap (valid ``Settings``), HPA and GPU resources are what they should be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from oldlogit import Client
+
+from .conftest import REPO, start_cli
+
+pytestmark = pytest.mark.e2e
+
+BIN = Path(sys.executable).parent  # the venv's console scripts: oldlogit, hadolint, kubectl...
+K8S_VERSION = (REPO / "deploy" / "k8s" / "KUBERNETES_VERSION").read_text().strip()
+OVERLAYS = sorted(p.name for p in (REPO / "deploy" / "k8s" / "overlays").iterdir())
+TOKEN = "compose-test-token"
+
+
+def tool(name: str) -> str:
+    """A CLI from the venv (the dev extra) or PATH; skipped where absent, failed in CI."""
+    found = BIN / name if (BIN / name).exists() else shutil.which(name)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing in CI: .ci/run must install it")
+        pytest.skip(f"needs {name} (the dev extra / .ci/run install it)")
+    return str(found)
+
+
+def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------- Dockerfile
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        buf += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
+        if not line.endswith("\\"):
+            word, _, rest = buf.partition(" ")
+            out.append((word.upper(), rest.strip()))
+            buf = ""
+    return out
+
+
+def dockerignored(path: str) -> bool:
+    """Docker's rule, for the patterns used here: the last matching line wins, and a pattern
+    that matches a directory matches everything under it."""
+    ignored = False
+    for raw in (REPO / ".dockerignore").read_text().splitlines():
+        pat = raw.strip()
+        if not pat or pat.startswith("#"):
+            continue
+        negate = pat.startswith("!")
+        pat = pat.lstrip("!").rstrip("/")
+        rx = re.escape(pat).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        rx = rx.replace(r"\?", "[^/]").replace(r"\[", "[").replace(r"\]", "]")
+        parts = path.split("/")
+        if any(re.fullmatch(rx, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            ignored = not negate
+    return ignored
+
+
+def test_hadolint_passes_and_would_catch_a_bad_dockerfile(tmp_path: Path) -> None:
+    hadolint = tool("hadolint")
+    out = run([hadolint, "Dockerfile"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python\nRUN apt-get install curl\n")  # untagged base, no -y/pins
+    assert run([hadolint, str(bad)]).returncode != 0
+
+
+def test_dockerfile_is_multistage_non_root_with_the_pinned_torch() -> None:
+    ins = dockerfile()
+    kinds = [k for k, _ in ins]
+    assert kinds.count("FROM") >= 2 and any(k == "COPY" and a.startswith("--from=") for k, a in ins)
+    first_from = kinds.index("FROM")
+    assert ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm") in ins[:first_from]
+    assert ins[first_from][1].startswith("${BASE_IMAGE}")
+    last_stage = ins[len(kinds) - 1 - kinds[::-1].index("FROM") :]
+    args = dict(a.split("=", 1) for k, a in last_stage if k == "ARG" and "=" in a)
+    (user,) = [a for k, a in last_stage if k == "USER"]
+    user = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], user)
+    assert user not in ("0", "root") and user.isdigit()  # numeric: runAsNonRoot can verify it
+    assert json.loads(dict(ins)["ENTRYPOINT"]) == ["oldlogit"]
+    pinned = re.search(r"torch==[\w.]+", (REPO / "constraints.txt").read_text())
+    assert pinned is not None
+    assert any(k == "RUN" and pinned.group(0) in a for k, a in ins), "torch pin differs"
+    assert any(k == "ARG" and a.startswith("TORCH_INDEX=") for k, a in ins)
+
+
+def test_dockerignore_keeps_exactly_what_the_image_copies() -> None:
+    sources = [
+        src
+        for k, a in dockerfile()
+        if k == "COPY" and not a.startswith("--from=")
+        for src in a.split()[:-1]
+    ]
+    assert sources
+    for src in sources:
+        path = REPO / src
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        kept = [f for f in files if not dockerignored(str(f.relative_to(REPO)))]
+        assert kept, f"{src} is excluded from the build context"
+        for f in kept:
+            assert "__pycache__" not in f.parts and not f.name.endswith(".pyc"), f
+    for rel in (
+        "service/oldlogit_service/static/status.js",
+        "service/oldlogit_service/server.py",
+        "client/oldlogit/py.typed",
+    ):
+        assert not dockerignored(rel), rel
+    for rel in (".venv/bin/python", "tests/conftest.py", ".git/HEAD", "snapshots/x"):
+        assert dockerignored(rel), rel
+
+
+def test_image_entrypoint_and_healthcheck_run(tmp_path: Path) -> None:
+    ins = dockerfile()
+    env = {}
+    for k, a in ins:
+        if k == "ENV":
+            env.update(re.findall(r"(\w+)=(\S+)", a))
+    entry = json.loads(dict(ins)["ENTRYPOINT"])
+    cmd = json.loads(dict(ins)["CMD"])
+    health = dict(ins)["HEALTHCHECK"]
+    health_cmd = json.loads(health[health.index("CMD ") + 4 :])
+    # The image's own environment, but on loopback, free ports and a temporary snapshot dir.
+    env.update(
+        OLDLOGIT_HOST="127.0.0.1",
+        OLDLOGIT_HTTP_PORT="0",
+        OLDLOGIT_GRPC_PORT="0",
+        OLDLOGIT_SNAPSHOT_DIR=str(tmp_path / "snap"),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+    )
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    assert entry == ["oldlogit"] and cmd[0] == "serve"
+    srv = start_cli(cmd[1:], env=env)  # `oldlogit serve --demo`, the CLI a user runs
+    try:
+        port = srv.http.rsplit(":", 1)[1]
+        argv = [sys.executable if a == "python" else a for a in health_cmd]
+        ok = run(argv, env={**os.environ, "OLDLOGIT_HTTP_PORT": port})
+        assert ok.returncode == 0, ok.stderr
+        down = run(argv, env={**os.environ, "OLDLOGIT_HTTP_PORT": str(free_port())})
+        assert down.returncode != 0  # nothing listens there: unhealthy
+    finally:
+        assert srv.stop() == 0
+
+
+# ---------------------------------------------------------------------------- compose
+
+_VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(node: Any, env: dict[str, str]) -> Any:
+    """Compose's variable syntax, for the forms used: ${V}, ${V:-default}, ${V:?error}."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.groups()
+        value = env.get(name, "")
+        if op in (":?", "?") and not value:
+            raise KeyError(f"{name}: {arg}")
+        return value if value or op is None else arg
+
+    return _VAR.sub(sub, node)
+
+
+def compose(env: dict[str, str]) -> dict[str, Any]:
+    raw = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    return dict(interpolate(raw, env))
+
+
+def test_compose_file_passes_the_compose_spec_schema(tmp_path: Path) -> None:
+    checker = tool("check-jsonschema")
+    schema = ["--builtin-schema", "vendor.compose-spec"]
+    out = run([checker, *schema, "docker-compose.yml"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    broken = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    broken["services"]["redis-cache"]["healthcheck"]["tset"] = ["CMD", "true"]  # a typo
+    (tmp_path / "compose.yml").write_text(yaml.safe_dump(broken))
+    assert run([checker, *schema, str(tmp_path / "compose.yml")]).returncode != 0
+
+
+def test_compose_topology() -> None:
+    with pytest.raises(KeyError, match="OLDLOGIT_WRITE_TOKEN"):
+        compose({"OLDLOGIT_MODEL_DIR": "/m"})  # the secret is required, never defaulted
+    with pytest.raises(KeyError, match="OLDLOGIT_MODEL_DIR"):
+        compose({"OLDLOGIT_WRITE_TOKEN": "t"})
+    services = compose({"OLDLOGIT_WRITE_TOKEN": "t", "OLDLOGIT_MODEL_DIR": "/m"})["services"]
+    registry = services["redis-registry"]["command"]
+    cache = services["redis-cache"]["command"]
+    assert registry[registry.index("--maxmemory-policy") + 1] == "noeviction"
+    assert cache[cache.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in cache
+    replicas = [n for n, s in services.items() if s.get("command", [None])[0] == "serve"]
+    assert len(replicas) == 2
+    for name in replicas:
+        s = services[name]
+        assert "snapshots:/snapshots" in s["volumes"]  # one shared snapshot volume
+        assert s["environment"]["OLDLOGIT_WRITE_TOKEN"] == "t"
+        drain = float(s["environment"]["OLDLOGIT_DRAIN_TIMEOUT_S"])
+        assert float(s["stop_grace_period"].rstrip("s")) > drain
+    for name, s in services.items():
+        assert s["healthcheck"]["test"][0] == "CMD", name
+        for dep, cond in s.get("depends_on", {}).items():
+            assert cond == {"condition": "service_healthy"}, (name, dep)
+            assert "healthcheck" in services[dep]
+    assert services["trainer"]["profiles"] == services["rollout-worker"]["profiles"] == ["demo"]
+
+
+class RedisFromCompose:
+    """A compose Redis service's redis-server command line, on a free loopback port."""
+
+    def __init__(self, service: dict[str, Any], tmp: Path) -> None:
+        cmd = service["command"]
+        assert cmd[0] == "redis-server"
+        self.port = free_port()
+        tmp.mkdir()
+        self.proc = subprocess.Popen(
+            [tool("redis-server"), *cmd[1:], "--port", str(self.port), "--bind", "127.0.0.1"],
+            cwd=tmp,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        end = time.monotonic() + 20
+        while not self.answers():
+            assert self.proc.poll() is None and time.monotonic() < end, "redis did not start"
+            time.sleep(0.1)
+
+    def cli(self, *args: str) -> str:
+        return run([tool("redis-cli"), "-p", str(self.port), *args]).stdout
+
+    def answers(self) -> bool:
+        return self.cli("ping").strip() == "PONG"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+
+@contextmanager
+def redis_pair(services: dict[str, Any], tmp: Path) -> Iterator[dict[str, RedisFromCompose]]:
+    started: dict[str, RedisFromCompose] = {}
+    try:
+        for name in ("redis-registry", "redis-cache"):
+            started[name] = RedisFromCompose(services[name], tmp / name)
+        yield started
+    finally:
+        for r in started.values():
+            r.stop()
+
+
+def test_every_compose_command_runs_against_local_servers(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    env = {"OLDLOGIT_WRITE_TOKEN": TOKEN, "OLDLOGIT_MODEL_DIR": str(tiny_model_dir)}
+    services = compose(env)["services"]
+    todo = {(n, k) for n, s in services.items() for k in ("command", "entrypoint", "healthcheck")}
+    todo &= {(n, k) for n, s in services.items() for k in s}
+    done: set[tuple[str, str]] = set()
+    # Only ports, host names and paths change; every other word runs as written.
+    subs = {"/examples/": f"{REPO}/examples/compose/", "0.0.0.0": "127.0.0.1"}
+
+    def argv(words: list[str]) -> list[str]:
+        out = []
+        for w in words:
+            for old, new in subs.items():
+                w = w.replace(old, new)
+            out.append(sys.executable if w == "python" else w)
+        return out
+
+    def healthcheck(name: str, env: dict[str, str] | None = None) -> int:
+        words = services[name]["healthcheck"]["test"][1:]
+        if words[0] == "redis-cli":
+            words = [words[0], "-p", str(redis[name].port), *words[1:]]
+        done.add((name, "healthcheck"))
+        return run(argv(words), env={**os.environ, **(env or {})}).returncode
+
+    with redis_pair(services, tmp_path) as redis:
+        for name, policy in (("redis-registry", "noeviction"), ("redis-cache", "allkeys-lru")):
+            assert policy in redis[name].cli("config", "get", "maxmemory-policy").split()
+            done.add((name, "command"))
+            assert healthcheck(name) == 0, name
+        subs.update(
+            {
+                "redis-registry:6379": f"127.0.0.1:{redis['redis-registry'].port}",
+                "redis-cache:6379": f"127.0.0.1:{redis['redis-cache'].port}",
+                "/snapshots": str(tmp_path / "snapshots"),
+                "/model": str(tiny_model_dir),
+                "/tmp/heartbeat": str(tmp_path / "heartbeat"),
+            }
+        )
+        replica_cmds = {json.dumps(services[n]["command"]) for n in ("oldlogit-1", "oldlogit-2")}
+        assert len(replica_cmds) == 1  # the two replicas run the same command line
+        cmd = argv(services["oldlogit-1"]["command"])
+        for flag in ("--http-port", "--grpc-port"):
+            cmd[cmd.index(flag) + 1] = "0"
+        assert cmd[0] == "serve"
+        srv = start_cli(cmd[1:], env=services["oldlogit-1"]["environment"])
+        try:
+            done |= {("oldlogit-1", "command"), ("oldlogit-2", "command")}
+            port = {"OLDLOGIT_HTTP_PORT": srv.http.rsplit(":", 1)[1]}
+            assert healthcheck("oldlogit-1", port) == healthcheck("oldlogit-2", port) == 0
+            subs.update(
+                {
+                    "oldlogit-1:8000": srv.http,
+                    "oldlogit-1:50051": srv.grpc,
+                    "oldlogit-2:50051": srv.grpc,
+                }
+            )
+            env = {**os.environ, "OLDLOGIT_WRITE_TOKEN": TOKEN}
+            for name, bounded in (
+                ("trainer", ["--steps", "2", "--interval-s", "0"]),
+                ("rollout-worker", ["--rounds", "3", "--interval-s", "0"]),
+            ):
+                (tmp_path / "heartbeat").unlink(missing_ok=True)
+                assert healthcheck(name) != 0  # no heartbeat yet: not healthy
+                s = services[name]
+                out = run(argv(s["entrypoint"] + s["command"]) + bounded, env=env)
+                assert out.returncode == 0, (name, out.stdout, out.stderr)
+                done |= {(name, "entrypoint"), (name, "command")}
+                assert healthcheck(name) == 0, name
+            with Client(f"http://{srv.http}") as c:
+                assert [v.policy_version for v in c.versions()] == [0, 1, 2]  # the trainer's
+            stale = time.time() - 120  # a loop that stopped making progress is unhealthy
+            os.utime(tmp_path / "heartbeat", (stale, stale))
+            assert healthcheck("rollout-worker") != 0
+            # Liveness never depends on Redis: with the registry gone, /healthz still answers.
+            redis["redis-registry"].stop()
+            assert not redis["redis-registry"].answers()
+            assert httpx.get(f"http://{srv.http}/healthz", timeout=10).status_code == 200
+        finally:
+            assert srv.stop() == 0
+    assert done == todo, f"not run: {todo - done}"
+
+
+# ---------------------------------------------------------------------------- Kubernetes
+
+
+def kustomize(overlay: str) -> list[dict[str, Any]]:
+    out = run([tool("kubectl"), "kustomize", f"deploy/k8s/overlays/{overlay}"])
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    return doc
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_builds_and_validates(overlay: str, tmp_path: Path) -> None:
+    validator = tool("kubernetes-validate")
+    docs = kustomize(overlay)
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    cmd = [validator, "--strict", "--kubernetes-version", K8S_VERSION]
+    out = run([*cmd, str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count(" passed ") == len(docs)
+    # The validator is not a rubber stamp: an unknown field fails under --strict.
+    one(docs, "Deployment", "oldlogit")["spec"]["template"]["spec"]["containers"][0]["prob"] = 1
+    path.write_text(yaml.safe_dump_all(docs))
+    assert run([*cmd, str(path)]).returncode != 0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_semantics(overlay: str) -> None:
+    from oldlogit_service.config import Settings
+
+    docs = kustomize(overlay)
+    dep = one(docs, "Deployment", "oldlogit")
+    pod = dep["spec"]["template"]["spec"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    (c,) = pod["containers"]
+    config = one(docs, "ConfigMap")
+    assert c["envFrom"][0]["configMapRef"]["name"] == config["metadata"]["name"]
+    env = config["data"]
+    # Every key is a setting (extra=forbid), and together they are a valid Settings.
+    settings = Settings(**{k.removeprefix("OLDLOGIT_").lower(): v for k, v in env.items()})
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": settings.http_port, "grpc": settings.grpc_port}
+    # Probes: slow first loads, readiness = can serve, liveness independent of Redis.
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + settings.drain_timeout_s + 5
+    # Storage: the RWX claim is what the pods mount, and the settings' paths are on it.
+    pvc = one(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    claim = {v["name"]: v for v in pod["volumes"]}["data"]["persistentVolumeClaim"]
+    assert claim["claimName"] == pvc["metadata"]["name"]
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["data"]
+    assert str(settings.snapshot_dir).startswith(mount + "/")
+    # Services, PDB and HPA select and target these pods.
+    selects = lambda sel: all(labels.get(k) == v for k, v in sel.items())  # noqa: E731
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert services["oldlogit-headless"]["spec"]["clusterIP"] == "None"
+    for name in ("oldlogit", "oldlogit-headless"):
+        assert selects(services[name]["spec"]["selector"])
+    assert selects(one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"])
+    hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "oldlogit",
+    }
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "oldlogit_queue_wait_seconds"
+    assert hpa["minReplicas"] >= 2
+    # Redis: the URLs name the in-cluster services; registry never evicts, cache is LRU.
+    for url, name, policy in (
+        (settings.redis_url, "oldlogit-redis-registry", "noeviction"),
+        (settings.cache_redis_url, "oldlogit-redis-cache", "allkeys-lru"),
+    ):
+        assert url is not None and url.startswith(f"redis://{name}:6379/")
+        assert name in services
+        (rc,) = [
+            d
+            for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == name
+        ]
+        args = rc["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--maxmemory-policy") + 1] == policy
+    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    if overlay == "gpu":
+        assert settings.device == "cuda" and gpus == 1
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+    else:
+        assert settings.device == "cpu" and gpus is None and "tolerations" not in pod

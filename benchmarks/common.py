@@ -49,20 +49,17 @@ def summary(times: list[float]) -> dict[str, float]:
 class ServerProcess:
     """`oldlogit serve` in a subprocess; the ports come from its `http=`/`grpc=` lines."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "oldlogit_service.cli",
-            "serve",
-            *args,
-            "--http-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--log-level",
-            "WARNING",
-        ]
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        cmd: list[str] | None = None,
+        ports: tuple[str, ...] = ("http", "grpc"),
+    ) -> None:
+        serve = [sys.executable, "-m", "oldlogit_service.cli", "serve", *args]
+        serve += ["--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"]
+        cmd = cmd or serve
+        self.want = ports
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -74,7 +71,7 @@ class ServerProcess:
         self.lines: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         end = time.monotonic() + 300
-        while len(self.ports) < 2:
+        while len(self.ports) < len(self.want):
             if self.proc.poll() is not None or time.monotonic() > end:
                 self.proc.kill()
                 raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-30:]))

@@ -8,11 +8,55 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, serving, soak
-from benchmarks.common import print_table, write_results
+from benchmarks import delta_trace, serving, soak, throughput
+from benchmarks.common import Figure, print_table, write_results
 
-FIGURES = {"serving": serving, "soak": soak, "delta": delta_trace}
-DEFAULT = ["serving"]  # the soak runs for minutes: ask for it by name
+FIGURES = {
+    "serving": serving,
+    "throughput": throughput,
+    "delta": delta_trace,
+    "soak": soak,
+}
+DEFAULT = ["serving", "throughput", "delta"]  # the soak runs for minutes: ask for it by name
+
+
+def plot(figures: list[Figure], out: Path) -> None:
+    """One PNG of every ratio against its goal; latency vs load when measured."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plots are optional: the table and JSON carry the numbers
+        print("matplotlib is not installed: no plots")
+        return
+    ratios = [f for f in figures if f.unit == "ratio" and f.value == f.value]
+    if ratios:
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(ratios) + 1.2))
+        ax.barh([f.name for f in ratios], [f.value for f in ratios], color="#4a7bd0")
+        for i, f in enumerate(ratios):
+            goal = f.goal.replace(">=", "").replace("<=", "").strip()
+            try:
+                ax.plot([float(goal)] * 2, [i - 0.4, i + 0.4], color="#c03030", lw=2)
+            except ValueError:
+                pass
+        ax.invert_yaxis()
+        ax.set_xlabel("ratio (red: goal)")
+        fig.tight_layout()
+        fig.savefig(out / "ratios.png", dpi=110)
+        plt.close(fig)
+    lat = next((f for f in figures if f.name.startswith("latency")), None)
+    if lat is not None:
+        loads = [k for k in ("10%", "50%", "80%") if k in lat.detail]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(loads, [lat.detail[k]["p50_ms"] for k in loads], "o-", label="p50")
+        ax.plot(loads, [lat.detail[k]["p99_ms"] for k in loads], "o-", label="p99")
+        ax.set_xlabel("load (fraction of capacity)")
+        ax.set_ylabel("latency (ms)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "latency.png", dpi=110)
+        plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_args(p)
     soak.add_args(p)
     delta_trace.add_args(p)
+    throughput.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -33,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seqs, args.seq_len, args.concurrency, args.single_len, args.reps = 4, 64, 4, 16, 1
         args.duration_s, args.capacity_s, args.publish_every_s = 8.0, 3.0, 1.0
         delta_trace.smoke(args)
+        args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:
         figures.extend(FIGURES[name].run(args))
@@ -45,5 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     path = write_results(args.out, figures, meta)
+    plot(figures, args.out)
     print(f"results: {path}")
     return 0

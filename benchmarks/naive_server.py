@@ -1,0 +1,69 @@
+"""The baseline a user would write instead of oldlogit: FastAPI + transformers, one forward
+per request, no batching, and a version switch reloads the weights from its safetensors file.
+
+Run: ``python -m benchmarks.naive_server --model DIR --versions DIR [--port 0]``; prints
+``http=HOST:PORT``. ``POST /logprobs {"token_ids": [...], "policy_version": v}`` returns
+``{"logprobs": [...]}`` for positions 1..n-1 (raw distribution).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+
+class Req(BaseModel):
+    token_ids: list[int]
+    policy_version: int
+
+
+def create_app(model_dir: Path, versions_dir: Path, dtype: torch.dtype) -> FastAPI:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    lock = threading.Lock()
+    current = {"version": None}
+    app = FastAPI()
+
+    @app.post("/logprobs")
+    def logprobs(req: Req) -> dict[str, Any]:  # sync: FastAPI runs it in its thread pool
+        with lock:
+            if current["version"] != req.policy_version:
+                state = load_file(str(versions_dir / f"v{req.policy_version}.safetensors"))
+                model.load_state_dict(state, strict=False)
+                current["version"] = req.policy_version
+            ids = torch.tensor([req.token_ids])
+            with torch.inference_mode():
+                logits = model(ids).logits.float()  # [1, T, V]
+            lp = torch.log_softmax(logits[0, :-1], dim=-1)
+            out = lp.gather(-1, ids[0, 1:, None])[:, 0]
+        return {"logprobs": out.tolist()}
+
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--versions", type=Path, required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args()
+    app = create_app(args.model, args.versions, getattr(torch, args.dtype))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", args.port))
+    print(f"http=127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(app, log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

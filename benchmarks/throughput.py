@@ -1,0 +1,361 @@
+"""P2, P3, P6, P7 and latency: oldlogit against the roofline, the naive server and itself.
+
+P2  forward FLOP/s ÷ measured GEMM FLOP/s (fp32), in-process engine, 64 × 512.
+P3  64 concurrent single-sequence clients: service throughput ÷ naive server, and ÷ the
+    in-process big-batch engine call on the same sequences.
+P6  requests over 16 versions (Zipf-like toward recent) with a device budget of 4 versions:
+    service throughput ÷ naive server (which reloads safetensors on every version switch);
+    eviction and rebuild counts from /metrics.
+P7  deterministic-mode throughput ÷ fast-mode throughput (64 × 512), and the measured
+    fast-mode deviation.
+Latency: p50/p99 of single-sequence requests at 10 %, 50 %, 80 % of measured capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.common import Figure, ServerProcess, summary, timed
+from benchmarks.serving import build_model
+
+
+def _gemm_flops(n: int = 2048, reps: int = 5) -> float:
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    ts = timed(lambda: torch.mm(a, b), reps=reps)
+    return 2 * n**3 / statistics.median(ts)
+
+
+def _forward_flops(model: Any, tokens_per_seq: int, seqs: int) -> float:
+    """Matmul FLOPs of the forward: 2 × non-embedding weights × tokens (+ head and causal
+    attention); norms, activations and softmax are left out (they are not GEMMs)."""
+    cfg = model.config
+    h = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    vocab = int(cfg["vocab_size"])
+    body = sum(
+        int(torch.Size(shape).numel())
+        for name, (_, shape) in model.param_specs.items()
+        if ".layers." in name and len(shape) == 2
+    )
+    t = tokens_per_seq
+    per_seq = 2 * body * t + 2 * h * vocab * t + 2 * layers * t * t * h  # QK^T and AV, causal
+    return float(per_seq * seqs)
+
+
+def _concurrent(n: int, fn: Callable[[int], None]) -> float:
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            fn(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, flags=re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def run(args: argparse.Namespace) -> list[Figure]:
+    from oldlogit import Client, Sequence
+    from oldlogit_service.demo import demo_versions
+    from oldlogit_service.engine import Engine, Job, measure_fast_mode_deviation
+    from oldlogit_service.model import load_model, load_weights
+    from oldlogit_service.numerics import SamplingParams
+
+    root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-g-"))
+    model_dir = build_model(args, root)
+    model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    base = load_weights(model_dir, model)
+    assert base is not None
+    rng = random.Random(0)
+    figures: list[Figure] = []
+    conc = args.concurrency
+    L = args.single_len
+    singles = [[rng.randrange(args.vocab) for _ in range(L)] for _ in range(conc)]
+    big = [[rng.randrange(args.vocab) for _ in range(args.seq_len)] for _ in range(args.seqs)]
+
+    # P2: roofline.
+    engine = Engine(model, mode="deterministic")
+    jobs = [
+        Job(token_ids=torch.tensor(s), positions=torch.arange(1, len(s)), sampling=SamplingParams())
+        for s in big
+    ]
+    fwd = summary(timed(lambda: engine.run(base, jobs), reps=args.reps))
+    gemm = _gemm_flops()
+    fwd_flops = _forward_flops(model, args.seq_len, args.seqs) / fwd["median_s"]
+    figures.append(
+        Figure(
+            "P2 forward FLOP/s ÷ GEMM FLOP/s (fp32)",
+            fwd_flops / gemm,
+            "ratio",
+            ">= 0.75",
+            {"forward_flops_per_s": fwd_flops, "gemm_flops_per_s": gemm, **fwd},
+        )
+    )
+
+    # The versions: 16 for P6, written for the naive server too.
+    versions = demo_versions(base, 16, changed_fraction=0.03)
+    vdir = root / "versions"
+    vdir.mkdir()
+    from safetensors.torch import save_file
+
+    hf_names = {k: k for k in base}
+    for v, w in enumerate(versions):
+        save_file(
+            {hf_names[k]: t.contiguous() for k, t in w.items()}, str(vdir / f"v{v}.safetensors")
+        )
+    one_gib = sum(t.numel() * t.element_size() for t in base.values()) / 1024**3
+
+    naive = ServerProcess(
+        [],
+        cmd=[
+            sys.executable,
+            "-m",
+            "benchmarks.naive_server",
+            "--model",
+            str(model_dir),
+            "--versions",
+            str(vdir),
+        ],
+        ports=("http",),
+    )
+    servers = {
+        mode: ServerProcess(
+            [
+                "--model",
+                str(model_dir),
+                "--snapshot-dir",
+                str(root / f"snap-{mode}"),
+                "--dtype",
+                "float32",
+                "--mode",
+                mode,
+                "--cache-budget-mib",
+                "0",
+                "--device-budget-gib",
+                f"{4.5 * one_gib:.9f}",
+                "--max-wait-ms",
+                "2",
+                "--max-batch-tokens",
+                str(max(args.seqs * args.seq_len, conc * L)),
+            ]
+        )
+        for mode in ("deterministic", "fast")
+    }
+    try:
+        for srv in servers.values():
+            with Client(srv.http_url, timeout_s=600) as c:
+                for v, w in enumerate(versions[1:], start=1):
+                    c.publish(v, w)
+        http_naive = [httpx.Client(base_url=naive.http_url, timeout=600) for _ in range(conc)]
+
+        def naive_one(i: int, v: int = 0) -> None:
+            r = http_naive[i].post("/logprobs", json={"token_ids": singles[i], "policy_version": v})
+            r.raise_for_status()
+
+        # P3: 64 concurrent single-sequence clients, one version.
+        rounds = args.p3_rounds
+        naive_t = statistics.median(
+            [
+                _concurrent(conc, lambda i: [naive_one(i) for _ in range(rounds)])
+                for _ in range(args.reps)
+            ]
+        )
+        naive_tps = conc * rounds * L / naive_t
+        for mode, srv in servers.items():
+            clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
+
+            def ours(i: int, clients: list[Any] = clients) -> None:
+                for _ in range(rounds):
+                    clients[i].logprobs(singles[i], policy_version=0, use_cache=False)
+
+            _concurrent(conc, ours)  # warm-up
+            t = statistics.median([_concurrent(conc, ours) for _ in range(args.reps)])
+            tps = conc * rounds * L / t
+            eng = Engine(model, mode=mode)
+            sjobs = [
+                Job(
+                    token_ids=torch.tensor(s),
+                    positions=torch.arange(1, L),
+                    sampling=SamplingParams(),
+                )
+                for s in singles
+            ]
+            inproc = statistics.median(
+                timed(lambda eng=eng, sjobs=sjobs: eng.run(base, sjobs), reps=args.reps)
+            )
+            inproc_tps = conc * L / inproc
+            figures.append(
+                Figure(
+                    f"P3 {mode}: {conc} clients ÷ naive server",
+                    tps / naive_tps,
+                    "ratio",
+                    ">= 4",
+                    {"tokens_per_s": tps, "naive_tokens_per_s": naive_tps},
+                )
+            )
+            figures.append(
+                Figure(
+                    f"P3 {mode}: {conc} clients ÷ in-process big batch",
+                    tps / inproc_tps,
+                    "ratio",
+                    ">= 0.8",
+                    {"in_process_tokens_per_s": inproc_tps},
+                )
+            )
+            for c in clients:
+                c.close()
+
+        # P6: 16 versions, Zipf-like toward recent, device budget 4 versions.
+        reqs = [
+            (i % conc, 15 - min(15, int(rng.expovariate(0.35)))) for i in range(args.p6_requests)
+        ]
+        per_client: dict[int, list[int]] = {}
+        for i, v in reqs:
+            per_client.setdefault(i, []).append(v)
+        naive_t6 = _concurrent(conc, lambda i: [naive_one(i, v) for v in per_client.get(i, [])])
+        srv = servers[args.p6_mode]
+        before = httpx.get(f"{srv.http_url}/metrics").text
+        clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
+        ours_t6 = _concurrent(
+            conc,
+            lambda i: [
+                clients[i].logprobs(singles[i], policy_version=v, use_cache=False)
+                for v in per_client.get(i, [])
+            ],
+        )
+        after = httpx.get(f"{srv.http_url}/metrics").text
+        for c in clients:
+            c.close()
+        evictions = _metric(after, "oldlogit_evictions_total", '{tier="device"}') - _metric(
+            before, "oldlogit_evictions_total", '{tier="device"}'
+        )
+        figures.append(
+            Figure(
+                f"P6 16 versions, budget 4 ({args.p6_mode}) ÷ naive",
+                naive_t6 / ours_t6,
+                "ratio",
+                ">= 2",
+                {
+                    "requests": len(reqs),
+                    "naive_s": naive_t6,
+                    "oldlogit_s": ours_t6,
+                    "device_evictions": evictions,
+                },
+            )
+        )
+
+        # P7: deterministic ÷ fast on 64 × 512 through the service.
+        seqs = [Sequence(token_ids=s, policy_version=0) for s in big]
+        tps7 = {}
+        for mode, srv in servers.items():
+            with Client(srv.grpc_url, timeout_s=600) as c:
+                res = summary(
+                    timed(lambda c=c: c.logprobs_batch(seqs, use_cache=False), reps=args.reps)
+                )
+            tps7[mode] = args.seqs * args.seq_len / res["median_s"]
+        dev = measure_fast_mode_deviation(
+            model, base, num_sequences=8, min_len=2, max_len=args.seq_len
+        )
+        figures.append(
+            Figure(
+                "P7 deterministic ÷ fast throughput",
+                tps7["deterministic"] / tps7["fast"],
+                "ratio",
+                ">= 0.8",
+                {"tokens_per_s": tps7, "fast_max_abs_deviation": dev},
+            )
+        )
+
+        # Latency at 10/50/80 % of capacity (single sequences, deterministic server).
+        srv = servers["deterministic"]
+        clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
+        cap_t = _concurrent(
+            conc, lambda i: clients[i].logprobs(singles[i], policy_version=0, use_cache=False)
+        )
+        capacity = conc / cap_t
+        lat_detail: dict[str, Any] = {"capacity_rps": capacity}
+        for frac in (0.1, 0.5, 0.8):
+            rate = frac * capacity
+            n = max(10, int(rate * args.latency_s))
+            lats: list[float] = []
+            lock = threading.Lock()
+            start = time.monotonic() + 0.05
+
+            def one(
+                i: int,
+                rate: float = rate,
+                n: int = n,
+                lats: list[float] = lats,
+                lock: threading.Lock = lock,
+                start: float = start,
+            ) -> None:
+                k = i
+                while k < n:
+                    time.sleep(max(0.0, start + k / rate - time.monotonic()))
+                    t0 = time.perf_counter()
+                    clients[i].logprobs(singles[i], policy_version=0, use_cache=False)
+                    with lock:
+                        lats.append(time.perf_counter() - t0)
+                    k += conc
+
+            _concurrent(conc, one)
+            lats.sort()
+            lat_detail[f"{int(frac * 100)}%"] = {
+                "rate_rps": rate,
+                "p50_ms": 1000 * lats[len(lats) // 2],
+                "p99_ms": 1000 * lats[min(len(lats) - 1, int(0.99 * len(lats)))],
+            }
+        for c in clients:
+            c.close()
+        figures.append(
+            Figure(
+                "latency p99 at 80 % ÷ at 10 % of capacity",
+                lat_detail["80%"]["p99_ms"] / lat_detail["10%"]["p99_ms"],
+                "ratio",
+                "",
+                lat_detail,
+            )
+        )
+        for h in http_naive:
+            h.close()
+    finally:
+        naive.stop()
+        for srv in servers.values():
+            srv.stop()
+    return figures
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--p3-rounds", type=int, default=2)
+    p.add_argument("--p6-requests", type=int, default=256)
+    p.add_argument("--p6-mode", default="deterministic")
+    p.add_argument("--latency-s", type=float, default=8.0)

@@ -43,7 +43,7 @@ VARIANTS = {
 
 @dataclass(frozen=True)
 class Config:
-    steps: int = 150
+    steps: int = 120
     batch: int = 128
     digits: int = 3  # K: the prompt holds K digits, the response K tokens
     lag: int = 2  # the worker samples with the weights of version (trainer version − lag)
@@ -54,7 +54,9 @@ class Config:
     sft_steps: int = 20  # supervised warm-up: RL starts from a weak "pretrained" model
     ewma_beta: float = 0.7
     clip: float = 0.2
+    dual_clip: float = 3.0  # caps the loss of A < 0 tokens whose ratio ran far (verl's c)
     is_threshold: float = 2.0
+    engine: str = "fp8"  # the rollout engine's numerics: "fp8" weights or "bf16"
     seed: int = 0
 
 
@@ -75,7 +77,7 @@ class RolloutWorker:
     def __init__(self, cfg: Config, gen: torch.Generator) -> None:
         self.cfg = cfg
         self.gen = gen
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(cfg.seed, cfg.engine)
         self.weights: dict[int, dict[str, torch.Tensor]] = {}  # broadcast copies it received
         ticks = math.ceil(cfg.digits / cfg.chunk)
         self.pool_size = cfg.batch * ticks
@@ -167,7 +169,11 @@ def run_variant(
         max_wait_ms=0.5,
     )
     corr_cfg = CorrectionConfig(
-        is_level="token", is_threshold=cfg.is_threshold, clip_low=cfg.clip, veto_floor=1e-4
+        is_level="token",
+        is_threshold=cfg.is_threshold,
+        veto_floor=1e-4,
+        clip_low=cfg.clip,
+        dual_clip=cfg.dual_clip,
     )
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     worker = RolloutWorker(cfg, gen)

@@ -1,9 +1,10 @@
 """The tiny causal LM on both sides: the trainer's float32 module and the sampler's bf16 copy.
 
 The trainer computes π_θ in float32 (as the oldlogit service does, ``--dtype float32``). The
-rollout worker plays the inference engine: it runs the same weights in bfloat16, so its
-behaviour logprobs μ differ from the training side by a realistic numerical mismatch — the
-discrepancy term that oldlogit lets a trainer see separately from staleness.
+rollout worker plays an FP8 inference engine: weights quantized to float8 e4m3 with one scale
+per tensor, bfloat16 compute. Its behaviour logprobs μ differ from the training side by a
+realistic mismatch (KL ≈ 5e-4, |log ρ| up to ≈ 0.2) — the discrepancy term that oldlogit lets
+a trainer see separately from staleness.
 """
 
 from __future__ import annotations
@@ -56,17 +57,28 @@ def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 
-class Sampler:
-    """The inference engine: bfloat16 weights of one version, multinomial sampling."""
+def fp8_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled float8 e4m3 quantization and back (what an FP8 engine computes with)."""
+    fp8 = torch.float8_e4m3fn
+    scale = w.abs().max().clamp_min(1e-12) / torch.finfo(fp8).max
+    return (w / scale).to(fp8).to(torch.float32) * scale
 
-    def __init__(self, seed: int) -> None:
+
+class Sampler:
+    """The inference engine: one version's weights as FP8 (or bf16), multinomial sampling."""
+
+    def __init__(self, seed: int, engine: str = "fp8") -> None:
+        if engine not in ("fp8", "bf16"):
+            raise ValueError(f"engine must be 'fp8' or 'bf16', got {engine!r}")
         self.module = build_model(seed).to(torch.bfloat16).eval()
+        self.engine = engine
         self.version = -1
 
     def load(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for n, p in self.module.named_parameters():
-                p.copy_(weights[n].to(torch.bfloat16))
+                w = weights[n].float()
+                p.copy_((fp8_roundtrip(w) if self.engine == "fp8" else w).to(torch.bfloat16))
         self.version = version
 
     @torch.no_grad()

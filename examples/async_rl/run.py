@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="oldlogit-async-rl-") as tmp:
         for v in variants:
-            runs[v] = run_variant(cfg, v, Path(tmp)).records
+            runs[v] = run_variant(cfg, v, Path(tmp), log=lambda m: print(m, flush=True)).records
     with (args.out / "metrics.jsonl").open("w") as f:
         for recs in runs.values():
             for r in recs:

@@ -14,7 +14,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EwmaProxy", "EwmaSnapshot"]
+__all__ = ["EwmaProxy", "EwmaSnapshot", "resolve_hashes"]
 
 STATE_FILE = "state.safetensors"
 _TMP_PREFIX = ".tmp-"
@@ -109,10 +109,6 @@ class EwmaProxy:
         """A copy of the float32 average (for tests and inspection)."""
         with self._lock:
             return {k: v.clone() for k, v in self._acc.items()}
-
-    def covers(self, version: int) -> bool:
-        """Whether the proxy may stand in for ``version``: it must have been folded in."""
-        return self._snapshot is not None and 0 <= version <= self._last
 
     # -- updates -----------------------------------------------------------------------------
     def fold(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
@@ -268,3 +264,40 @@ class EwmaProxy:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def resolve_hashes(
+    versions: Iterable[int],
+    sha256: Callable[[int], str],
+    snapshot: EwmaSnapshot | None,
+    *,
+    proxy: str | None,
+    allow_inexact: bool,
+) -> tuple[dict[int, str], set[int]]:
+    """Each requested version's weight hash, and which versions the proxy answers instead.
+
+    ``proxy="ewma"``: every version, up to the newest folded in. ``allow_inexact``: only the
+    versions ``sha256`` reports gone (``UnknownVersion``/``VersionEvicted``) and the proxy
+    covers; otherwise its error stands — exact or nothing, unless the request opted in. A
+    proxied version maps to the hash of the EWMA weights used (never that version's hash), and
+    its sequences are answered ``exact=false``; a version never published is never invented.
+    """
+    hashes: dict[int, str] = {}
+    proxied: set[int] = set()
+    for v in versions:
+        if proxy is None:
+            try:
+                hashes[v] = sha256(v)
+                continue
+            except (UnknownVersion, VersionEvicted):
+                if not allow_inexact or snapshot is None or not 0 <= v <= snapshot.last_version:
+                    raise
+        elif snapshot is None or v > snapshot.last_version:
+            raise UnknownVersion(
+                f"policy_version {v} is newer than the EWMA proxy "
+                f"(last folded: {snapshot.last_version if snapshot else 'none'})",
+                parameter="policy_version",
+            )
+        hashes[v] = snapshot.sha256
+        proxied.add(v)
+    return hashes, proxied

@@ -30,8 +30,6 @@ from oldlogit.errors import (
     OldLogitError,
     Unauthorized,
     Unavailable,
-    UnknownVersion,
-    VersionEvicted,
 )
 from oldlogit.types import (
     Info,
@@ -46,7 +44,7 @@ from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCache
 from oldlogit_service.config import Settings
 from oldlogit_service.engine import Engine, Job, SamplingParams
-from oldlogit_service.ewma import EwmaProxy, EwmaSnapshot
+from oldlogit_service.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics
 from oldlogit_service.model import LoadedModel
@@ -197,7 +195,14 @@ class Runtime:
         plans = plan_request(req, self.limits)
         timeout = req.timeout_s or self.settings.request_timeout_s
         deadline = time.monotonic() + timeout
-        hashes, proxied, snap = self._resolve(req, {v for p in plans for v in p.jobs})
+        snap = self.ewma.snapshot() if self.ewma is not None else None  # one view per request
+        hashes, proxied = resolve_hashes(
+            {v for p in plans for v in p.jobs},
+            self.store.sha256,  # UnknownVersion / VersionEvicted
+            snap,
+            proxy=req.proxy,
+            allow_inexact=req.allow_inexact,
+        )
         pending: list[_Pending] = []
         for plan in plans:
             sp = plan.sampling
@@ -225,7 +230,7 @@ class Runtime:
                         ),
                     )
                     if p.version in proxied:
-                        assert self.ewma is not None and snap is not None  # see _resolve
+                        assert self.ewma is not None and snap is not None  # resolve_hashes
                         p.future = self.ewma.submit(snap, job)
                     else:
                         p.future = self.scheduler.submit(p.version, job, deadline=deadline)
@@ -250,36 +255,6 @@ class Runtime:
                 if p.future is not None and not p.future.done():
                     p.future.cancel()
         return LogprobsResponse(results=self._stitch(plans, pending, hashes, proxied))
-
-    def _resolve(
-        self, req: LogprobsRequest, versions: set[int]
-    ) -> tuple[dict[int, str], set[int], EwmaSnapshot | None]:
-        """Each version's weight hash, and which versions the EWMA proxy answers instead.
-
-        A proxied version reports the hash of the EWMA weights it was computed with (under the
-        requested version's key) and makes its sequences ``exact=false``. The proxy answers
-        only versions it has folded in: a version never published stays ``UnknownVersion``.
-        """
-        snap = self.ewma.snapshot() if self.ewma is not None else None  # one view per request
-        hashes: dict[int, str] = {}
-        proxied: set[int] = set()
-        for v in versions:
-            if req.proxy is None:
-                try:
-                    hashes[v] = self.store.sha256(v)
-                    continue
-                except (UnknownVersion, VersionEvicted):
-                    if not req.allow_inexact or snap is None or not 0 <= v <= snap.last_version:
-                        raise  # exact or nothing, unless the request opted in
-            elif snap is None or v > snap.last_version:
-                raise UnknownVersion(
-                    f"policy_version {v} is newer than the EWMA proxy "
-                    f"(last folded: {snap.last_version if snap else 'none'})",
-                    parameter="policy_version",
-                )
-            hashes[v] = snap.sha256
-            proxied.add(v)
-        return hashes, proxied, snap
 
     def _stitch(
         self,

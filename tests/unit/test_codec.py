@@ -33,7 +33,7 @@ def changed(t: torch.Tensor, frac: float, g: torch.Generator) -> torch.Tensor:
     out = t.clone()
     flat = out.reshape(-1)
     n = flat.numel()
-    k = n if frac >= 1.0 else int(round(frac * n))
+    k = n if frac >= 1.0 else round(frac * n)
     if k == 0:
         return out
     idx = torch.randperm(n, generator=g)[:k]
@@ -203,5 +203,5 @@ def test_patch_file_table_is_checked(tmp_path: Path) -> None:
         with pytest.raises(WeightsMismatch, match=why) as info:
             parse(write(tensors))
         assert info.value.parameter == "weights"
-    with pytest.raises(InvalidRequest, match="count|positions for"):
+    with pytest.raises(InvalidRequest, match=r"count|positions for"):
         parse(write({"w::val": ("BF16", vals), "w::idx": ("U8", idx[:1])}))

@@ -196,10 +196,8 @@ def test_corrupt_patch_file_loses_its_chain_only(tmp_path: Path) -> None:
     with open_store(root) as s:
         for v, w in enumerate(ws):
             s.publish(v, w)
-        assert [r.kind for r in s.versions()] == ["keyframe", "patch", "patch", "patch"] + [
-            "keyframe",
-            "patch",
-        ]
+        kinds = ["keyframe", "patch", "patch", "patch", "keyframe", "patch"]
+        assert [r.kind for r in s.versions()] == kinds
         victim = s._entries[2].stored.file
     path = root / "weights" / victim
     raw = bytearray(path.read_bytes())
@@ -256,9 +254,11 @@ def test_memory_holds_keyframe_plus_patches(tmp_path: Path) -> None:
         for v, w in enumerate(ws):
             s.publish(v, w)
         assert_all_served(s, dict(enumerate(ws)))
-        assert all(s._entries[v].patch is not None for v in (1, 2, 3))
         for v in (1, 2, 3):
             s.evict(v)
+        assert_all_served(s, {0: ws[0], 3: ws[3]})  # decodes (and keeps) what was not kept
+        s.evict(3)
+        assert all(s._entries[v].patch is not None for v in (1, 2, 3))
         before = s.stats()
         assert "device" not in s.info(3).tiers
         assert_all_served(s, {3: ws[3]})  # keyframe 0 + patches 1..3, all from memory
@@ -279,7 +279,12 @@ def test_lru_weighs_rebuild_cost() -> None:
         MemoryCandidate(4, 2, last_used=5.0, tick=4, rebuild_cost=0.1, part="patch"),
     ]
     order = memory_victim_parts(cands, resident=32, incoming=0, budget=0)
-    assert [(c.version, c.part) for c in order] == [(4, "patch"), (1, "weights"), (3, "weights"), (2, "weights")]
+    assert [(c.version, c.part) for c in order] == [
+        (4, "patch"),
+        (1, "weights"),
+        (3, "weights"),
+        (2, "weights"),
+    ]
     # Much older still goes first, whatever it costs.
     cands.append(MemoryCandidate(5, 10, last_used=1.0, tick=5, rebuild_cost=9.0))
     assert memory_victim_parts(cands, resident=42, incoming=0, budget=32)[0].version == 5

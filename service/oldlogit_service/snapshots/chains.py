@@ -192,7 +192,7 @@ class Chains(StoreCore):
         if plan.base_res is not None:
             assert plan.base_res.buffer is not None
             layout = plan.base_res.layout
-            out = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin_host)  # [nbytes]
+            out = persist.alloc_buffer(n, pin=self._pin_host)  # [nbytes]
             codec.rebuild(out.numpy(), layout, patches, base=plan.base_res.buffer.numpy())
         else:
             kf = plan.base
@@ -213,7 +213,7 @@ class Chains(StoreCore):
                         kf.verified = True
                     kept = self._offer_locked(kf, base, rebuild_cost=1.0)
                 if kept:
-                    out = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin_host)
+                    out = persist.alloc_buffer(n, pin=self._pin_host)
                     codec.rebuild(out.numpy(), layout, patches, base=base.buffer.numpy())  # type: ignore[union-attr]
                 else:
                     codec.rebuild(out.numpy(), layout, patches)

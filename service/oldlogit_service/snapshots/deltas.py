@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
 from oldlogit.errors import InvalidRequest, NotFound, VersionEvicted
 from oldlogit.weights import read_safetensors_header
 from oldlogit_service.snapshots import codec, persist
@@ -97,7 +95,7 @@ class Deltas(Publishing):
             with self._cpu_weights(parent) as base:
                 assert base.buffer is not None
                 n = self._snapshot_nbytes
-                out = torch.empty(n, dtype=torch.uint8, pin_memory=self._pin_host)  # [nbytes]
+                out = persist.alloc_buffer(n, pin=self._pin_host)  # [nbytes]
                 codec.rebuild(out.numpy(), base.layout, [patch], base=base.buffer.numpy())
                 layout = base.layout
         except (NotFound, VersionEvicted) as exc:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from oldlogit.weights import (
@@ -370,6 +371,15 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def alloc_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A CPU uint8 buffer for a version's bytes. Unpinned ones come from numpy, which asks the
+    kernel for huge pages: filling a fresh 40 MB torch.empty buffer page-faults 10k times and
+    took 5x the copy itself here (80 ms vs 16 ms)."""
+    if pin:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # [nbytes]
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))  # [nbytes]
+
+
 def read_keyframe(
     path: Path, *, pin: bool, expect_sha256: str | None, version: int | None = None
 ) -> tuple[torch.Tensor, SafetensorsHeader]:
@@ -382,7 +392,7 @@ def read_keyframe(
         header = read_safetensors_header(path)
     except Exception as exc:  # InvalidRequest for malformed files: here it means corruption
         raise CorruptSnapshot(f"{path.name}: {exc}", version) from exc
-    buf = torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=pin)  # [nbytes]
+    buf = alloc_buffer(header.nbytes, pin=pin)  # [nbytes]
     view = buf.numpy().data.cast("B")
     try:
         with open(path, "rb", buffering=0) as f:
@@ -425,7 +435,7 @@ def buffer_from_sources(
     for s in order:
         layout.append(TensorEntry(s.name, s.dtype, s.shape, cursor, cursor + s.nbytes))
         cursor += s.nbytes
-    buf = torch.empty(cursor, dtype=torch.uint8, pin_memory=pin)  # [nbytes]
+    buf = alloc_buffer(cursor, pin=pin)  # [nbytes]
     view = buf.numpy().data.cast("B")
     where = {e.name: e for e in layout}
     hasher = WeightHasher()

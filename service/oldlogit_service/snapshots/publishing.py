@@ -202,11 +202,14 @@ class Publishing(Chains):
         )
 
     def _commit_stored(
-        self, stored: persist.StoredVersion, res: Resident | None = None
+        self,
+        stored: persist.StoredVersion,
+        res: Resident | None = None,
+        patch: codec.Patch | None = None,
     ) -> PublishOutcome:
         """Record a durable file; the version becomes visible only after the registry write.
-        ``res``: its weights in CPU memory, kept resident if they fit (the newest version is
-        the next one's parent, and the likeliest to be asked for)."""
+        ``res`` (its weights in CPU memory) and ``patch`` (decoded) are kept resident if they
+        fit: the newest version is the next one's parent and the likeliest to be asked for."""
         version, sha = stored.version, stored.sha256
         final = self._weights_dir / stored.file
         existing: str | None = None
@@ -231,6 +234,8 @@ class Publishing(Chains):
                         self._publishes += 1
                         if res is not None:
                             self._offer_locked(e, res, rebuild_cost=self._rebuild_cost_locked(e))
+                        if patch is not None and stored.kind == "patch":
+                            self._offer_locked(e, patch, rebuild_cost=self._patch_cost_locked(e))
         except BaseException:
             final.unlink(missing_ok=True)
             raise
@@ -316,7 +321,7 @@ class Publishing(Chains):
         except OSError as exc:
             self._raise_if_disk_full(exc)
             raise
-        return self._commit_stored(stored, res)
+        return self._commit_stored(stored, res, patch)
 
     def _write_buffer_keyframe(
         self, version: int, res: Resident, sha: str

@@ -19,7 +19,12 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(
-        self, workdir: Path, *, policy: str = "noeviction", maxmemory: str | None = None
+        self,
+        workdir: Path,
+        *,
+        policy: str = "noeviction",
+        maxmemory: str | None = None,
+        durable: bool = False,
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -29,6 +34,7 @@ class RedisServer:
         self.port = free_port()
         self.policy = policy
         self.maxmemory = maxmemory
+        self.durable = durable  # append-only file: a restart keeps the data (the registry)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -45,7 +51,9 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.durable else "no",
+            "--appendfsync",
+            "always",
             "--dir",
             str(self.workdir),
             "--maxmemory-policy",

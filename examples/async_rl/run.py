@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a few steps, small batches (CI)")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
+    p.add_argument("--seed", type=int, default=None, help="override the seed (default 0)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     p.add_argument("--out", type=Path, default=Path("async_rl_out"), help="output directory")
     p.add_argument("--threads", type=int, default=1, help="torch threads (tiny model: 1 is best)")
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SMOKE if args.smoke else Config()
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
+    if args.seed is not None:
+        cfg = dataclasses.replace(cfg, seed=args.seed)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -61,6 +61,8 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--redis-url", {"help": "Redis for registry/leases/membership (scale-out)"}),
     ("--cache-redis-url", {"help": "Redis for the shared result cache"}),
+    ("--namespace", {"help": "deployment namespace for Redis keys (default 'default')"}),
+    ("--replica-id", {"help": "this replica's id in the deployment (default host-pid)"}),
     ("--write-token", {"help": "bearer token required for writes (publish, delete, leases)"}),
     ("--read-token", {"help": "bearer token required for reads"}),
     ("--max-wait-ms", {"type": float, "help": "batching wait for the first job in a batch"}),
@@ -104,7 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     src = pub.add_mutually_exclusive_group(required=True)
     src.add_argument("--weights", type=Path, help="safetensors file or directory to upload")
     src.add_argument("--path", type=Path, help="file or directory the service reads itself")
-    pub.add_argument("--delta", action="store_true", help="send only the changed elements")
+    pub.add_argument(
+        "--delta",
+        action="store_true",
+        help="diff against the last weights this client published (a one-shot command has "
+        "none: it sends everything, and the service stores a patch anyway)",
+    )
     pub.add_argument("--token", default=None, help="write token (or OLDLOGIT_WRITE_TOKEN)")
     pub.add_argument("--no-progress", action="store_true")
     bench = sub.add_parser("bench", help="run the benchmark suite")

@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     # Scale-out (issue D).
     redis_url: str | None = None
     cache_redis_url: str | None = None
+    namespace: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # keys per deployment
+    replica_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")  # default host-pid
     # Auth.
     # Secrets: never shown by repr() or logs; compared in constant time (runtime.authorize).
     write_token: SecretStr | None = None

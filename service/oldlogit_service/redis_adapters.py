@@ -41,6 +41,7 @@ from oldlogit.errors import (
     VersionConflict,
     VersionNotIncreasing,
 )
+from oldlogit_service.cache import make_key
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +376,8 @@ class RedisResultCache:
         self.ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
         self._hits = self._misses = self._errors = 0
+
+    make_key = staticmethod(make_key)
 
     def get(self, key: bytes) -> npt.NDArray[np.float32] | None:
         try:

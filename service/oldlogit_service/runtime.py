@@ -42,6 +42,7 @@ from oldlogit.types import (
 )
 from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCache
+from oldlogit_service.cluster import Cluster
 from oldlogit_service.config import Settings
 from oldlogit_service.engine import Engine, Job, SamplingParams
 from oldlogit_service.ewma import EwmaProxy, resolve_hashes
@@ -90,8 +91,10 @@ class Runtime:
         cache: ResultCache,
         metrics: Metrics | None = None,
         ewma: EwmaProxy | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self.settings = settings
+        self.cluster = cluster  # scale-out through Redis; None on the embedded default
         self.ewma = ewma  # the approximate proxy policy; None unless --ewma-beta
         self.model = model
         self.store = store
@@ -196,6 +199,12 @@ class Runtime:
         timeout = req.timeout_s or self.settings.request_timeout_s
         deadline = time.monotonic() + timeout
         snap = self.ewma.snapshot() if self.ewma is not None else None  # one view per request
+        if self.cluster is not None:
+            for v in {v for p in plans for v in p.jobs}:
+                if not self.store.has(v):  # published on another replica: adopt it
+                    await asyncio.to_thread(
+                        self._adopt_or_none, v, req.allow_inexact or req.proxy is not None
+                    )
         hashes, proxied = resolve_hashes(
             {v for p in plans for v in p.jobs},
             self.store.sha256,  # UnknownVersion / VersionEvicted
@@ -401,27 +410,73 @@ class Runtime:
             kind=str(getattr(out, "kind", "keyframe")),
         )
 
+    def _adopt_or_none(self, version: int, tolerant: bool) -> None:
+        assert self.cluster is not None
+        try:
+            self.cluster.ensure_local(version)
+        except OldLogitError:
+            if not tolerant:  # with a proxy/fallback allowed, resolve_hashes decides
+                raise
+
     def versions(self) -> tuple[list[VersionInfo], int | None]:
-        return [_record_to_info(r) for r in self.store.versions()], self.store.watermark
+        local = {r.version: _record_to_info(r) for r in self.store.versions()}
+        if self.cluster is None:
+            return list(local.values()), self.store.watermark
+        try:  # every replica's view: the registry, with this replica's tiers where local
+            shared = self.cluster.registry.all()
+            watermark = self.cluster.registry.watermark()
+        except Unavailable:
+            return list(local.values()), self.store.watermark
+        for v, rec in shared.items():
+            if watermark is not None and v < watermark:
+                continue
+            local.setdefault(
+                v,
+                VersionInfo(
+                    policy_version=v,
+                    weight_sha256=str(rec["sha256"]),
+                    nbytes=int(rec.get("nbytes", 0)),
+                    tiers=["shared"],
+                    kind=str(rec.get("kind", "keyframe")),
+                ),
+            )
+        return [local[v] for v in sorted(local)], watermark
 
     def version(self, version: int) -> VersionInfo:
+        if self.cluster is not None and not self.store.has(version):
+            self.cluster.ensure_local(version)
         return _record_to_info(self.store.info(version))
 
     async def delete_version(self, version: int) -> None:
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.delete, version)
+            return
         await asyncio.to_thread(self.store.delete, version)
 
     async def set_watermark(self, version: int) -> int:
         self._check_version_arg(version)
+        if self.cluster is not None:
+            return await asyncio.to_thread(self.cluster.set_watermark, version)
         await asyncio.to_thread(self.store.set_watermark, version)
         wm = self.store.watermark
         return int(wm if wm is not None else version)
+
+    def replicas(self) -> list[dict[str, Any]]:
+        if self.cluster is None:
+            return []
+        return self.cluster.members()
 
     def create_lease(self, version: int, holder: str, ttl_s: float) -> LeaseInfo:
         if not (math.isfinite(ttl_s) and 0 < ttl_s <= 7 * 24 * 3600):
             raise InvalidRequest(
                 f"ttl_s must be in (0, 604800] seconds, got {ttl_s!r}", parameter="ttl_s"
             )
-        rec = self.store.lease(version, holder, ttl_s)
+        if self.cluster is not None:  # a lease pins the version on every replica
+            if self.cluster.registry.get(version) is None:
+                self.cluster.ensure_local(version)  # raises UnknownVersion / VersionEvicted
+            rec: Any = self.cluster.leases.create(version, holder, ttl_s)
+        else:
+            rec = self.store.lease(version, holder, ttl_s)
         return LeaseInfo(
             lease_id=str(rec.lease_id),
             policy_version=int(rec.version),
@@ -431,6 +486,9 @@ class Runtime:
         )
 
     def release_lease(self, lease_id: str) -> None:
+        if self.cluster is not None:
+            self.cluster.leases.release(lease_id)
+            return
         self.store.release(lease_id)
 
     def info(self) -> Info:

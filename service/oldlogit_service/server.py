@@ -25,12 +25,14 @@ import uvicorn
 from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app
 from oldlogit_service.cache import ResultCache
+from oldlogit_service.cluster import Cluster, default_replica_id
 from oldlogit_service.config import Settings
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
 from oldlogit_service.engine import Engine
 from oldlogit_service.ewma import EwmaProxy
 from oldlogit_service.history import sample_forever
 from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir, resolve_device
+from oldlogit_service.redis_adapters import RedisResultCache, check_eviction_policy, connect
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.snapshots import SnapshotStore
 
@@ -54,17 +56,27 @@ def build_runtime(settings: Settings) -> Runtime:
         model_dir = settings.model
     model = load_model(model_dir, dtype=dtype, device=device)
     settings.snapshot_dir.mkdir(parents=True, exist_ok=True)
+    clustered = settings.redis_url is not None
+    replica_id = settings.replica_id or default_replica_id()
+    # Scale-out: each replica keeps its own store directory on the shared volume (its own
+    # registry file and lock) and adopts other replicas' versions by hard link. Versions are
+    # stored whole there: a patch can only be adopted with its chain.
+    root = settings.snapshot_dir / "replicas" / replica_id if clustered else settings.snapshot_dir
+    root.mkdir(parents=True, exist_ok=True)
     store = SnapshotStore(
-        settings.snapshot_dir,
+        root,
         param_specs=model.param_specs,
         device=device,
         device_budget_bytes=settings.device_budget_bytes,
         host_budget_bytes=settings.host_budget_bytes,
         disk_budget_bytes=settings.disk_budget_bytes,
         max_versions=settings.max_versions,
-        keyframe_every=settings.keyframe_every,
+        keyframe_every=1 if clustered else settings.keyframe_every,
         keyframe_chain_fraction=settings.keyframe_chain_fraction,
     )
+    cluster = None
+    if settings.redis_url is not None:
+        cluster = Cluster(settings.redis_url, settings.namespace, replica_id, store)
     if not store.versions() and store.newest is None:
         if settings.demo:
             publish_demo_versions(store, model_dir, model)
@@ -74,7 +86,11 @@ def build_runtime(settings: Settings) -> Runtime:
                 logger.info("publishing the weights in %s as version 0", model_dir)
                 store.publish(0, weights)
     engine = Engine(model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
-    cache = ResultCache(settings.cache_budget_bytes)
+    cache: Any = ResultCache(settings.cache_budget_bytes)
+    if settings.cache_redis_url is not None:
+        # Shared across replicas; its keys hold the weight hash, so no hit crosses a change.
+        cache = RedisResultCache(connect(settings.cache_redis_url), settings.namespace)
+        check_eviction_policy(cache.r, want="allkeys-lru", role="result-cache")
     ewma = None
     if settings.ewma_beta is not None:
         # A second skeleton (no parameter memory) and engine: the scheduler's are not shared.
@@ -87,7 +103,10 @@ def build_runtime(settings: Settings) -> Runtime:
             state_dir=settings.snapshot_dir / "ewma",
         )
         ewma.catch_up(store)  # versions published before (or while it was off)
-    return Runtime(settings, model, store, engine, cache, ewma=ewma)
+    rt = Runtime(settings, model, store, engine, cache, ewma=ewma, cluster=cluster)
+    if cluster is not None:
+        cluster._state = rt.state  # heartbeats carry the queue depth and resident versions
+    return rt
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -152,6 +171,8 @@ async def serve(
         await http_task  # raises the start-up error
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     bound = Bound(http=f"{host}:{http_port}", grpc=f"{host}:{grpc_port}")
+    if rt.cluster is not None:
+        rt.cluster.start(http=bound.http, grpc=bound.grpc)
     if on_ready is not None:
         on_ready(bound, rt)
     try:
@@ -165,6 +186,8 @@ async def serve(
             logger.warning("drain timed out; remaining requests are failed as unavailable")
         await grpc_server.stop(grace=min(5.0, settings.drain_timeout_s))
         http_server.should_exit = True
+        if rt.cluster is not None:
+            rt.cluster.stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_task, timeout=settings.drain_timeout_s + 5)
         sampler.cancel()

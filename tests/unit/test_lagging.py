@@ -223,3 +223,21 @@ def test_lagging_loop_with_real_store_concurrent_clients(tmp_path: Path) -> None
         for v, tag in results:
             assert tag == float(ws[v]["w"].view(torch.int32).to(torch.int64).sum())
         assert s.stats()["lagging"]["patches_applied"] > 0
+
+
+def test_strategy_and_keyframe_settings_from_flags_and_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from oldlogit_service.cli import _parser
+
+    args = _parser().parse_args(
+        ["serve", "--demo", "--strategy", "lagging", "--keyframe-every", "8"]
+    )
+    assert args.strategy == "lagging" and args.keyframe_every == 8
+    assert Settings(demo=True).strategy == "snapshot"
+    monkeypatch.setenv("OLDLOGIT_STRATEGY", "lagging")
+    monkeypatch.setenv("OLDLOGIT_KEYFRAME_CHAIN_FRACTION", "0.25")
+    s = Settings(demo=True)
+    assert s.strategy == "lagging" and s.keyframe_chain_fraction == 0.25
+    with pytest.raises(ValueError, match="strategy"):
+        Settings(demo=True, strategy="sideways")  # type: ignore[arg-type]

@@ -288,3 +288,42 @@ def test_lru_weighs_rebuild_cost() -> None:
     # Much older still goes first, whatever it costs.
     cands.append(MemoryCandidate(5, 10, last_used=1.0, tick=5, rebuild_cost=9.0))
     assert memory_victim_parts(cands, resident=42, incoming=0, budget=32)[0].version == 5
+
+
+def test_host_tier_holds_patches_simulated_on_cpu(tmp_path: Path) -> None:
+    # In front of a GPU the CPU copies (rebuild bases, decoded patches) live in the host tier;
+    # its bookkeeping is device-independent, so enable it here (the gpu test runs the real one).
+    ws = trace(7, 9, fractions=[0.02, 0.1])
+    with open_store(tmp_path / "s", device_budget_bytes=SNAP) as s:
+        s._host_enabled = True
+        s._host_tier.budget = 3 * SNAP
+        for v, w in enumerate(ws):
+            s.publish(v, w)
+        assert_all_served(s, {v: ws[v] for v in (6, 1, 5, 2, 0, 3, 4)})
+        st = s.stats()["tiers"]
+        assert st["device"]["bytes"] <= SNAP and st["host"]["bytes"] <= 3 * SNAP
+        es = s._entries.values()
+        assert st["device"]["bytes"] == sum(e.device.nbytes for e in es if e.device is not None)
+        assert st["host"]["bytes"] == sum(e.host.nbytes for e in es if e.host is not None) + sum(
+            e.patch.nbytes for e in es if e.patch is not None
+        )
+        assert s.stats()["rebuilds"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chains_and_lagging_on_gpu(tmp_path: Path) -> None:
+    ws = trace(9, 10, fractions=[0.0, 0.02, 1.0])
+    with open_store(
+        tmp_path / "s", device="cuda", device_budget_bytes=2 * SNAP, host_budget_bytes=3 * SNAP
+    ) as s:
+        for v, w in enumerate(ws):
+            s.publish(v, w)
+        for v in (8, 3, 0, 5, 1):
+            with s.acquire(v) as got:
+                assert all(got[k].device.type == "cuda" for k in got)
+                assert all(same(got[k].cpu(), ws[v][k]) for k in ws[v]), v
+        for v in range(9):
+            with s.acquire_lagging(v) as got:
+                assert all(same(got[k].cpu(), ws[v][k]) for k in ws[v]), v
+        assert s.stats()["lagging"]["patches_applied"] > 0

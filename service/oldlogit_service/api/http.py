@@ -202,7 +202,7 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.put(
         "/v1/versions/{policy_version}",
         response_model=PublishResult,
-        summary="Publish a version: the body is a safetensors file, streamed",
+        summary="Publish a version: the body is a safetensors file (delta=true: a delta), streamed",
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -286,6 +286,11 @@ def create_app(rt: Runtime) -> FastAPI:
     async def info(request: Request) -> Info:
         auth(request, write=False)
         return rt.info()
+
+    @app.get("/v1/replicas", summary="Live replicas of the deployment (scale-out discovery)")
+    async def replicas(request: Request) -> dict[str, Any]:
+        auth(request, write=False)
+        return {"replicas": rt.replicas()}
 
     @app.get("/healthz", summary="Alive")
     async def healthz() -> dict[str, str]:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,9 +120,13 @@ class StoreCore(Residency):
         self._keyframe_every = int(keyframe_every)
         self._keyframe_chain_fraction = float(keyframe_chain_fraction)
         self._disk = TierAccount(DISK, int(disk_budget_bytes))
-        self._persist_lock = threading.Lock()
+        self._persist_lock = threading.RLock()  # a rewrite may find a corrupt file: _lose
         self._leases = LeaseTable(clock)
         self._tombstones = persist.VersionRanges()
+        # Scale-out seams (cluster.py): a claim in the shared registry that must succeed
+        # before a publish becomes visible, and versions leased on other replicas.
+        self.commit_hook: Callable[[int, str, Path, dict[str, Any]], bool] | None = None
+        self.external_pins: Callable[[], set[int]] | None = None
         self._newest: int | None = None
         self._watermark: int | None = None
         self._retention_due = False
@@ -356,8 +361,10 @@ class StoreCore(Residency):
             # A removal can rewrite a dependent version as a keyframe (more bytes), so the
             # rules are applied again until they pick nothing; each round removes a version.
             for _ in range(len(self._entries) + 1):
+                # Asked outside the lock: the answer may come from Redis.
+                pinned_elsewhere = self.external_pins() if self.external_pins else set()
                 with self._lock:
-                    leased = self._leases.leased_versions()
+                    leased = self._leases.leased_versions() | pinned_elsewhere
                     cands = [
                         DiskCandidate(v, e.stored.disk_nbytes, e.last_used, v in leased, e.pins > 0)
                         for v, e in self._entries.items()

@@ -13,6 +13,7 @@ import errno
 import functools
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -97,11 +98,15 @@ class Publishing(Chains):
         self._after_op()
         return out
 
-    def _precheck_locked(self, version: int) -> str | None:
-        """The retained version's hash (for the idempotency check), or None if it is new."""
+    def _precheck_locked(self, version: int, adopt: bool = False) -> str | None:
+        """The retained version's hash (for the idempotency check), or None if it is new.
+        ``adopt``: the shared registry already ordered this version (scale-out), so the local
+        order checks do not apply."""
         e = self._entries.get(version)
         if e is not None:
             return e.stored.sha256
+        if adopt:
+            return None
         if version in self._tombstones:
             raise VersionNotIncreasing(
                 f"policy_version {version} was published before and has since been deleted; "
@@ -187,6 +192,44 @@ class Publishing(Chains):
             return self._publish_sources(version, sources, expected)  # another filesystem
         return self._commit(version, sha, name)
 
+    def has(self, version: int) -> bool:
+        """Whether this store retains ``version`` (no error for unknown ones)."""
+        with self._lock:
+            return version in self._entries
+
+    def adopt(self, version: int, path: Path, expected_sha256: str) -> PublishOutcome:
+        """Take in a version another replica published to the shared volume (scale-out).
+
+        The file is hard-linked (same volume: no copy; it survives the other replica's
+        deletion) or copied, its sha256 verified, and it is recorded without the local order
+        checks — the shared registry ordered it. Keyframes only: a patch needs its chain.
+        """
+        version = check_version(version)
+        self._check_open()
+        name = persist.keyframe_name(version)
+        tmp = persist.temp_path(self._weights_dir)
+        try:
+            try:
+                os.link(path, tmp)
+            except OSError:
+                shutil.copyfile(path, tmp)
+            sources, _ = ingest.file_sources(tmp, self._specs)
+            sha = ingest.hash_sources(sources)
+            self._check_expected(sha, expected_sha256)
+            persist.durable_rename(tmp, self._weights_dir / name)
+        except FileNotFoundError as exc:
+            raise VersionEvicted(
+                f"policy_version {version} is registered but its file is gone from the "
+                "shared volume",
+                parameter="policy_version",
+            ) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return self._commit_stored(
+            persist.StoredVersion(version, sha, self._snapshot_nbytes, name, self._clock()),
+            adopt=True,
+        )
+
     @staticmethod
     def _raise_if_disk_full(exc: OSError) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -206,6 +249,8 @@ class Publishing(Chains):
         stored: persist.StoredVersion,
         res: Resident | None = None,
         patch: codec.Patch | None = None,
+        *,
+        adopt: bool = False,
     ) -> PublishOutcome:
         """Record a durable file; the version becomes visible only after the registry write.
         ``res`` (its weights in CPU memory) and ``patch`` (decoded) are kept resident if they
@@ -213,15 +258,26 @@ class Publishing(Chains):
         version, sha = stored.version, stored.sha256
         final = self._weights_dir / stored.file
         existing: str | None = None
+        created = True
         try:
             with self._persist_lock:
                 with self._lock:
                     self._sweep_locked()
-                    existing = self._precheck_locked(version)  # a racing publish may have won
+                    # a racing publish may have won
+                    existing = self._precheck_locked(version, adopt)
                     if existing is None:
                         if stored.parent is not None and stored.parent not in self._entries:
                             raise self._parent_missing(version, stored.parent, "was deleted")
                         doc = self._doc_locked(add=stored)
+                if existing is None and self.commit_hook is not None and not adopt:
+                    # The shared registry's claim: durable here, not yet visible anywhere.
+                    # A conflict or an unreachable registry raises and the file is removed.
+                    created = self.commit_hook(
+                        version,
+                        sha,
+                        final,
+                        {"kind": stored.kind, "parent": stored.parent, "nbytes": stored.nbytes},
+                    )
                 if existing is None:
                     persist.write_registry(self._root, doc)
                     with self._lock:
@@ -250,7 +306,7 @@ class Publishing(Chains):
             stored.disk_nbytes,
         )
         self._retain()
-        return PublishOutcome(version, sha, True, stored.nbytes, stored.kind)
+        return PublishOutcome(version, sha, created, stored.nbytes, stored.kind)
 
     # -- patches ----------------------------------------------------------------------------
     def _patches_on(self) -> bool:

@@ -38,7 +38,8 @@ FORMAT = "oldlogit.delta/1"
 IDX = "::idx"
 VAL = "::val"
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# Little-endian unsigned views by item size (built once: a dtype per call costs microseconds).
+_UINT = {n: np.dtype(t).newbyteorder("<") for n, t in ((1, "u1"), (2, "u2"), (4, "u4"), (8, "u8"))}
 Positions = npt.NDArray[np.int64]
 
 
@@ -46,7 +47,7 @@ def bits_view(raw: Any, itemsize: int) -> npt.NDArray[Any]:
     """A flat unsigned-int view of raw little-endian tensor bytes: equality is bitwise, so
     -0.0 vs 0.0 counts as a change and NaN payloads compare as bits."""
     arr = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
-    return arr.reshape(-1).view(np.dtype(_UINT[itemsize]).newbyteorder("<"))
+    return arr.reshape(-1).view(_UINT[itemsize])
 
 
 def diff_positions(old: npt.NDArray[Any], new: npt.NDArray[Any]) -> Positions:

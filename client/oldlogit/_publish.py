@@ -186,7 +186,9 @@ class SafetensorsStream:
 
 def _array_tensor(name: str, dtype: str, arr: npt.NDArray[Any]) -> _Tensor:
     def read(_: Mapping[Path, BinaryIO], a: npt.NDArray[Any] = arr) -> list[memoryview]:
-        return [np.ascontiguousarray(a).view(np.uint8).data]
+        if a.size == 0:  # a memoryview of an empty array cannot be cast to bytes
+            return [memoryview(b"")]
+        return [np.ascontiguousarray(a).reshape(-1).view(np.uint8).data]
 
     return _Tensor(name, dtype, tuple(int(d) for d in arr.shape), int(arr.nbytes), read)
 

@@ -9,7 +9,7 @@ and never retry: retries and failover live in ``oldlogit._retry``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from oldlogit.convert import PublishHeader
@@ -61,6 +61,8 @@ class Transport(Protocol):
     async def delete_lease(self, lease_id: str, timeout_s: float | None) -> None: ...
 
     async def info(self, timeout_s: float | None) -> Info: ...
+
+    async def list_replicas(self, timeout_s: float | None) -> list[dict[str, Any]]: ...
 
     async def aclose(self) -> None: ...
 

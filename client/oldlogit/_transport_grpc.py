@@ -159,5 +159,17 @@ class GrpcTransport:
         msg = await self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout_s)
         return convert.from_proto(msg, Info)
 
+    async def list_replicas(self, timeout_s: float | None) -> list[dict[str, Any]]:
+        msg = await self._call(self._stub.ListReplicas, pb.ListReplicasRequest(), timeout_s)
+        return [
+            {
+                "replica_id": r.replica_id,
+                "http": r.http,
+                "grpc": r.grpc,
+                "queue_depth": r.queue_depth,
+            }
+            for r in msg.replicas
+        ]
+
     async def aclose(self) -> None:
         await self._channel.close()

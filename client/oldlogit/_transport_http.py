@@ -181,5 +181,9 @@ class HttpTransport:
     async def info(self, timeout_s: float | None) -> Info:
         return await self._model(Info, "GET", "/v1/info", timeout_s)
 
+    async def list_replicas(self, timeout_s: float | None) -> list[dict[str, Any]]:
+        body = await self._json("GET", "/v1/replicas", timeout_s)
+        return list(body.get("replicas", []))
+
     async def aclose(self) -> None:
         await self._http.aclose()

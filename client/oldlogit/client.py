@@ -239,6 +239,20 @@ class AsyncClient:
     async def info(self) -> Info:
         return await self._call(lambda t, rem: t.info(rem))
 
+    async def replicas(self) -> list[dict[str, Any]]:
+        """The deployment's live replicas (id, http, grpc, queue depth), from its registry."""
+        return await self._call(lambda t, rem: t.list_replicas(rem))
+
+    async def discover(self) -> list[str]:
+        """Replace the replica list with the deployment's live replicas (same scheme as the
+        configured URLs), so routing and failover follow scale-ups and removals. Returns the
+        URLs now in use; without a registry (one replica) nothing changes."""
+        scheme = self.urls[0].split("://", 1)[0]
+        field = "grpc" if scheme == "grpc" else "http"
+        found = [f"{scheme}://{m[field]}" for m in await self.replicas() if m.get(field)]
+        self._replicas.update(found)
+        return self.urls
+
     async def publish(
         self,
         policy_version: int,
@@ -482,6 +496,8 @@ class Client:
     delete_version = _sync(AsyncClient.delete_version)
     set_watermark = _sync(AsyncClient.set_watermark)
     info = _sync(AsyncClient.info)
+    replicas = _sync(AsyncClient.replicas)
+    discover = _sync(AsyncClient.discover)
     publish = _sync(AsyncClient.publish)
     create_lease = _sync(AsyncClient.create_lease)
     release_lease = _sync(AsyncClient.release_lease)

@@ -124,6 +124,11 @@ def test_publish_on_one_read_bitwise_on_the_others(cluster: Cluster) -> None:
     r = httpx.get(f"{cluster.http(1)}/v1/replicas", headers={"authorization": f"Bearer {TOKEN}"})
     members = {m["replica_id"] for m in r.json()["replicas"]}
     assert members == {"r0", "r1", "r2"}
+    # The client discovers the live replicas (gRPC here) from any one of them.
+    with Client(cluster.grpc(2), token=TOKEN) as c:
+        urls = c.discover()
+        assert sorted(urls) == sorted(cluster.grpc(i) for i in range(3))
+        assert c.logprobs(ids, policy_version=1).versions == [1]
 
 
 def test_shared_result_cache_never_crosses_a_weight_change(cluster: Cluster) -> None:

@@ -497,10 +497,16 @@ def test_publish_state_dict_file_and_shards(
             assert set(loaded) == set(sd)
             for name in sd:
                 np.testing.assert_array_equal(loaded[name], sd[name])
-        # delta=True is accepted; until issue C it sends the full weights.
-        c.publish(3, sd, delta=True, sha256="given")
+        # delta=True: the first such publish has nothing to diff against and sends it all;
+        # the next one sends a delta against it (tests/unit/test_codec.py checks the format).
+        c.publish(3, sd, delta=True)
         header = fakes["http://a:1"].calls[-1][1][0]
-        assert header.sha256 == "given" and not header.delta
+        assert header.sha256 == expected_sha and not header.delta
+        c.publish(4, sd, delta=True)
+        header = fakes["http://a:1"].calls[-1][1][0]
+        assert header.delta and header.parent == 3 and header.sha256 == expected_sha
+        with pytest.raises(errors.WeightsMismatch):
+            c.publish(5, sd, delta=True, sha256="0" * 64)
 
 
 def test_publish_by_path_never_reads_the_files(

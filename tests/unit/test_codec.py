@@ -22,7 +22,7 @@ from oldlogit._delta import (
 from oldlogit._publish import WeightsCopy
 from oldlogit.errors import InvalidRequest, WeightsMismatch
 from oldlogit.weights import TensorEntry, read_safetensors_header
-from oldlogit_service.snapshots import codec, persist
+from oldlogit_service.snapshots import buffers, codec, persist
 
 PATTERNS = {"none": 0.0, "sparse": 0.01, "dense": 0.6, "all": 1.0}
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -131,7 +131,7 @@ def _pack(sd: dict[str, torch.Tensor]) -> tuple[tuple[TensorEntry, ...], np.ndar
         )
         for k, t in sd.items()
     }
-    buf, layout, _ = persist.buffer_from_sources(sources, pin=False)
+    buf, layout, _ = buffers.buffer_from_sources(sources, pin=False)
     return layout, buf.numpy()
 
 
@@ -147,9 +147,14 @@ def test_client_delta_stream_is_what_the_service_parses(tmp_path: Path, pattern:
         "a.weight": torch.randn(64, 33, generator=g).bfloat16(),
         "b": torch.randn(5, generator=g),
         "c": torch.randn(4, 4, generator=g).half(),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 3).bfloat16(),
     }
     v1 = {k: changed(t, PATTERNS[pattern], g) for k, t in v0.items()}
     parent = WeightsCopy.read(v0).published(3)
+    full = tmp_path / "full.safetensors"
+    full.write_bytes(b"".join(WeightsCopy.read(v0).full_stream().chunks()))
+    assert read_safetensors_header(full).tensors.keys() == v0.keys()
     new = WeightsCopy.read(v1)
     stream = new.delta_stream(parent)
     path = tmp_path / "delta.safetensors"
@@ -166,7 +171,7 @@ def test_client_delta_stream_is_what_the_service_parses(tmp_path: Path, pattern:
     out = np.empty_like(b0)
     codec.rebuild(out, layout, [patch], base=b0)
     assert np.array_equal(out, b1)
-    assert persist.hash_buffer(out, layout) == new.sha256
+    assert buffers.hash_buffer(out, layout) == new.sha256
 
 
 def test_patch_file_table_is_checked(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ metrics. Also serves ``grpc.health.v1.Health`` and server reflection.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -270,6 +271,20 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
         return convert.info_to_proto(self._rt.info())
+
+    async def ListReplicas(self, request: Any, context: Any) -> Any:
+        replicas = await asyncio.to_thread(self._rt.replicas)
+        return pb.ListReplicasResponse(
+            replicas=[
+                pb.Replica(
+                    replica_id=str(m.get("replica_id", "")),
+                    http=str(m.get("http", "")),
+                    grpc=str(m.get("grpc", "")),
+                    queue_depth=int(m.get("queue_depth", 0)),
+                )
+                for m in replicas
+            ]
+        )
 
 
 class Health:

@@ -7,6 +7,7 @@ every non-2xx body is ``{"error": {"code", "message", "parameter"?, "details"?}}
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -290,7 +291,7 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.get("/v1/replicas", summary="Live replicas of the deployment (scale-out discovery)")
     async def replicas(request: Request) -> dict[str, Any]:
         auth(request, write=False)
-        return {"replicas": rt.replicas()}
+        return {"replicas": await asyncio.to_thread(rt.replicas)}
 
     @app.get("/healthz", summary="Alive")
     async def healthz() -> dict[str, str]:

@@ -2,8 +2,10 @@
 
 ``SnapshotStore`` is the one entry point (publish, acquire, leases, watermark, introspection);
 the modules split it by concern: ``ingest`` (publish inputs checked against the model),
-``persist`` (disk layout, crash-safe writes), ``residency`` and ``tiers`` (memory tiers, LRU),
-``leases``, ``records`` (what it answers with), ``store`` (the orchestration).
+``persist`` and ``buffers`` (disk layout, crash-safe writes, in-memory bytes), ``codec``
+(patches), ``chains`` (rebuilds, keyframe policy, rewrites), ``deltas`` (delta publishes),
+``lagging`` (the lagging model), ``residency`` and ``tiers`` (memory tiers, LRU), ``leases``,
+``records`` (what it answers with), ``store`` (the orchestration).
 """
 
 from oldlogit_service.snapshots.leases import LeaseRecord

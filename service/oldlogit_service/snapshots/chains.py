@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from oldlogit.errors import OldLogitError, error_from_payload
-from oldlogit_service.snapshots import codec, persist
+from oldlogit_service.snapshots import buffers, codec, persist
 from oldlogit_service.snapshots.core import StoreCore
 from oldlogit_service.snapshots.residency import Resident, VersionEntry
 
@@ -192,7 +192,7 @@ class Chains(StoreCore):
         if plan.base_res is not None:
             assert plan.base_res.buffer is not None
             layout = plan.base_res.layout
-            out = persist.alloc_buffer(n, pin=self._pin_host)  # [nbytes]
+            out = buffers.alloc_buffer(n, pin=self._pin_host)  # [nbytes]
             codec.rebuild(out.numpy(), layout, patches, base=plan.base_res.buffer.numpy())
         else:
             kf = plan.base
@@ -213,13 +213,13 @@ class Chains(StoreCore):
                         kf.verified = True
                     kept = self._offer_locked(kf, base, rebuild_cost=1.0)
                 if kept:
-                    out = persist.alloc_buffer(n, pin=self._pin_host)
+                    out = buffers.alloc_buffer(n, pin=self._pin_host)
                     codec.rebuild(out.numpy(), layout, patches, base=base.buffer.numpy())  # type: ignore[union-attr]
                 else:
                     codec.rebuild(out.numpy(), layout, patches)
         if patches and not entry.verified:
             verified += 1
-            got = persist.hash_buffer(out.numpy(), layout)
+            got = buffers.hash_buffer(out.numpy(), layout)
             if got != entry.stored.sha256:
                 v = entry.stored.version
                 raise persist.CorruptSnapshot(

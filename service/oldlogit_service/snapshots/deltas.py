@@ -1,19 +1,24 @@
-"""Delta publishing: a delta upload against a retained parent becomes a version.
+"""Delta publishing, and storing any new version as a patch or a keyframe.
 
 In: a delta file (the ``oldlogit._delta`` format: changed elements only) and the parent it was
-made against. Out: the rebuilt weights, hashed and checked before anything is written, stored
-as the keyframe policy says (``Publishing._store_version``). A parent this store does not
-retain, or retains with other weights, is ``ParentMissing``: the client then sends full weights.
+made against, or full weights to diff against the newest version. Out: the new weights, hashed
+and checked before anything is written, stored as the keyframe policy says. A parent this store
+does not retain, or retains with other weights, is ``ParentMissing``: the client then sends
+full weights.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from oldlogit.errors import InvalidRequest, NotFound, VersionEvicted
-from oldlogit.weights import read_safetensors_header
-from oldlogit_service.snapshots import codec, persist
+from oldlogit._delta import bits_view
+from oldlogit.errors import InvalidRequest, NotFound, VersionEvicted, WeightsMismatch
+from oldlogit.weights import DTYPE_ITEMSIZE, read_safetensors_header
+from oldlogit_service.snapshots import buffers, codec, ingest, persist
 from oldlogit_service.snapshots.core import check_sha, check_version
 from oldlogit_service.snapshots.publishing import Publishing
 from oldlogit_service.snapshots.records import PublishOutcome
@@ -95,13 +100,13 @@ class Deltas(Publishing):
             with self._cpu_weights(parent) as base:
                 assert base.buffer is not None
                 n = self._snapshot_nbytes
-                out = persist.alloc_buffer(n, pin=self._pin_host)  # [nbytes]
+                out = buffers.alloc_buffer(n, pin=self._pin_host)  # [nbytes]
                 codec.rebuild(out.numpy(), base.layout, [patch], base=base.buffer.numpy())
                 layout = base.layout
         except (NotFound, VersionEvicted) as exc:
             with self._lock:
                 raise self._parent_missing(version, parent, "is no longer retained") from exc
-        sha = persist.hash_buffer(out.numpy(), layout)
+        sha = buffers.hash_buffer(out.numpy(), layout)
         self._check_expected(sha, expected)
         if existing is not None:
             return self._same_or_conflict(version, sha, existing)
@@ -109,3 +114,88 @@ class Deltas(Publishing):
         out_ = self._store_version(version, sha, res, parent=parent, patch=patch)
         self._after_op()
         return out_
+
+    @staticmethod
+    def _bits(res: Resident) -> dict[str, Any]:
+        assert res.buffer is not None
+        data = res.buffer.numpy()
+        return {
+            e.name: bits_view(data[e.begin : e.end], DTYPE_ITEMSIZE[e.dtype]) for e in res.layout
+        }
+
+    def _publish_buffered(
+        self, version: int, sources: Mapping[str, persist.TensorSource], expected: str | None
+    ) -> PublishOutcome:
+        """Full weights, read into memory once: hashed, diffed against the newest retained
+        version, stored as a patch or a keyframe."""
+        with self._lock:
+            existing = self._precheck_locked(version)
+        if existing is not None:  # a retry: hash only, write nothing
+            sha = ingest.hash_sources(sources)
+            self._check_expected(sha, expected)
+            return self._same_or_conflict(version, sha, existing)
+        buf, layout, sha = buffers.buffer_from_sources(sources, pin=self._pin_host)
+        self._check_expected(sha, expected)
+        res = Resident(buf, layout, persist.tensor_views(buf, layout), self._snapshot_nbytes)
+        with self._lock:
+            parent = max(self._entries) if self._entries else None
+        return self._store_version(version, sha, res, parent=parent, patch=None)
+
+    def _store_version(
+        self,
+        version: int,
+        sha: str,
+        res: Resident,
+        *,
+        parent: int | None,
+        patch: codec.Patch | None,
+    ) -> PublishOutcome:
+        due = True
+        if parent is not None and self._patches_on():
+            if patch is None:
+                try:
+                    with self._cpu_weights(parent) as base:
+                        patch = codec.diff(self._bits(base), self._bits(res))
+                except (NotFound, VersionEvicted):  # deleted meanwhile: store it whole
+                    patch = None
+            if patch is not None:
+                with self._lock:
+                    pe = self._entries.get(parent)
+                    due = pe is None or self._keyframe_due_locked(pe, self._patch_nbytes(patch))
+        try:
+            if not due:
+                assert parent is not None and patch is not None
+                stored = self._write_patch(version, parent, patch, sha, self._clock())
+            else:
+                stored = self._write_buffer_keyframe(version, res, sha)
+        except OSError as exc:
+            self._raise_if_disk_full(exc)
+            raise
+        return self._commit_stored(stored, res, patch)
+
+    def _write_buffer_keyframe(
+        self, version: int, res: Resident, sha: str
+    ) -> persist.StoredVersion:
+        assert res.buffer is not None
+        data = res.buffer.numpy()
+        sources = {
+            e.name: persist.TensorSource(
+                e.name, e.dtype, e.shape, functools.partial(_slice, data, e.begin, e.end)
+            )
+            for e in res.layout
+        }
+        tmp = persist.temp_path(self._weights_dir)
+        name = persist.keyframe_name(version)
+        try:
+            written = persist.write_keyframe(tmp, sources)
+            if written != sha:  # the buffer changed under us: never store what was not checked
+                raise WeightsMismatch("the weights changed while being stored", parameter="weights")
+            persist.durable_rename(tmp, self._weights_dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return persist.StoredVersion(version, sha, self._snapshot_nbytes, name, self._clock())
+
+
+def _slice(data: Any, begin: int, end: int) -> list[memoryview]:
+    return [memoryview(data[begin:end])]

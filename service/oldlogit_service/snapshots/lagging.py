@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oldlogit_service.snapshots import codec, persist
+from oldlogit_service.snapshots import buffers, codec, persist
 from oldlogit_service.snapshots.core import check_version
 from oldlogit_service.snapshots.residency import Resident
 
@@ -91,7 +91,7 @@ class LaggingModel:
             self._reload(entry)
         if not entry.verified:  # recovered from an earlier process: check once
             assert self._res is not None and self._res.buffer is not None
-            got = persist.hash_buffer(self._res.buffer.cpu().numpy(), self._res.layout)
+            got = buffers.hash_buffer(self._res.buffer.cpu().numpy(), self._res.layout)
             if got != entry.stored.sha256:
                 raise persist.CorruptSnapshot(
                     f"version {target} (lagging copy) hashes to {got}, the registry says "

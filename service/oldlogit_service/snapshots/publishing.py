@@ -10,20 +10,16 @@ stored as a patch or a keyframe as the keyframe policy says.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from oldlogit._delta import bits_view
 from oldlogit.errors import (
     InvalidRequest,
-    NotFound,
     OutOfMemory,
     ParentMissing,
     VersionConflict,
@@ -31,7 +27,6 @@ from oldlogit.errors import (
     VersionNotIncreasing,
     WeightsMismatch,
 )
-from oldlogit.weights import DTYPE_ITEMSIZE
 from oldlogit_service.snapshots import codec, ingest, persist
 from oldlogit_service.snapshots.chains import Chains
 from oldlogit_service.snapshots.core import check_sha, check_version
@@ -321,86 +316,11 @@ class Publishing(Chains):
             details={"parent": parent, "retained": list(rng) if rng else None},
         )
 
-    @staticmethod
-    def _bits(res: Resident) -> dict[str, Any]:
-        assert res.buffer is not None
-        data = res.buffer.numpy()
-        return {
-            e.name: bits_view(data[e.begin : e.end], DTYPE_ITEMSIZE[e.dtype]) for e in res.layout
-        }
-
     def _publish_buffered(
         self, version: int, sources: Mapping[str, persist.TensorSource], expected: str | None
-    ) -> PublishOutcome:
-        """Full weights, read into memory once: hashed, diffed against the newest retained
-        version, stored as a patch or a keyframe."""
-        with self._lock:
-            existing = self._precheck_locked(version)
-        if existing is not None:  # a retry: hash only, write nothing
-            sha = ingest.hash_sources(sources)
-            self._check_expected(sha, expected)
-            return self._same_or_conflict(version, sha, existing)
-        buf, layout, sha = persist.buffer_from_sources(sources, pin=self._pin_host)
-        self._check_expected(sha, expected)
-        res = Resident(buf, layout, persist.tensor_views(buf, layout), self._snapshot_nbytes)
-        with self._lock:
-            parent = max(self._entries) if self._entries else None
-        return self._store_version(version, sha, res, parent=parent, patch=None)
-
-    def _store_version(
-        self,
-        version: int,
-        sha: str,
-        res: Resident,
-        *,
-        parent: int | None,
-        patch: codec.Patch | None,
-    ) -> PublishOutcome:
-        due = True
-        if parent is not None and self._patches_on():
-            if patch is None:
-                try:
-                    with self._cpu_weights(parent) as base:
-                        patch = codec.diff(self._bits(base), self._bits(res))
-                except (NotFound, VersionEvicted):  # deleted meanwhile: store it whole
-                    patch = None
-            if patch is not None:
-                with self._lock:
-                    pe = self._entries.get(parent)
-                    due = pe is None or self._keyframe_due_locked(pe, self._patch_nbytes(patch))
-        try:
-            if not due:
-                assert parent is not None and patch is not None
-                stored = self._write_patch(version, parent, patch, sha, self._clock())
-            else:
-                stored = self._write_buffer_keyframe(version, res, sha)
-        except OSError as exc:
-            self._raise_if_disk_full(exc)
-            raise
-        return self._commit_stored(stored, res, patch)
-
-    def _write_buffer_keyframe(
-        self, version: int, res: Resident, sha: str
-    ) -> persist.StoredVersion:
-        assert res.buffer is not None
-        data = res.buffer.numpy()
-        sources = {
-            e.name: persist.TensorSource(
-                e.name, e.dtype, e.shape, functools.partial(_slice, data, e.begin, e.end)
-            )
-            for e in res.layout
-        }
-        tmp = persist.temp_path(self._weights_dir)
-        name = persist.keyframe_name(version)
-        try:
-            written = persist.write_keyframe(tmp, sources)
-            if written != sha:  # the buffer changed under us: never store what was not checked
-                raise WeightsMismatch("the weights changed while being stored", parameter="weights")
-            persist.durable_rename(tmp, self._weights_dir / name)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return persist.StoredVersion(version, sha, self._snapshot_nbytes, name, self._clock())
+    ) -> PublishOutcome:  # pragma: no cover - the deltas layer provides it
+        """Full weights read into memory, diffed against the newest version (``deltas``)."""
+        raise NotImplementedError
 
     @property
     def staging_dir(self) -> Path:
@@ -409,7 +329,3 @@ class Publishing(Chains):
         d = self._root / persist.INCOMING
         d.mkdir(exist_ok=True)
         return d
-
-
-def _slice(data: Any, begin: int, end: int) -> list[memoryview]:
-    return [memoryview(data[begin:end])]

@@ -871,3 +871,78 @@ class Info(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__watermark) -> _WhichOneofReturnType__watermark | None: ...
 
 Global___Info: _TypeAlias = Info  # noqa: Y015
+
+@_typing.final
+class ListReplicasRequest(_message.Message):
+    """Asks for the live replicas."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicasRequest: _TypeAlias = ListReplicasRequest  # noqa: Y015
+
+@_typing.final
+class Replica(_message.Message):
+    """One live replica, from its heartbeat."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    HTTP_FIELD_NUMBER: _builtins.int
+    GRPC_FIELD_NUMBER: _builtins.int
+    QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The replica's id in the deployment."""
+    http: _builtins.str
+    """Its HTTP address, host:port."""
+    grpc: _builtins.str
+    """Its gRPC address, host:port."""
+    queue_depth: _builtins.int
+    """Jobs waiting in its scheduler at its last heartbeat."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        http: _builtins.str = ...,
+        grpc: _builtins.str = ...,
+        queue_depth: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grpc", b"grpc", "http", b"http", "queue_depth", b"queue_depth", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Replica: _TypeAlias = Replica  # noqa: Y015
+
+@_typing.final
+class ListReplicasResponse(_message.Message):
+    """The live replicas, sorted by id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Replica]:
+        """Replicas whose heartbeat is current."""
+
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[Global___Replica] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicasResponse: _TypeAlias = ListReplicasResponse  # noqa: Y015

@@ -86,6 +86,11 @@ class OldLogitStub:
                 request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.Info.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/oldlogit.v1.OldLogit/ListReplicas',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class OldLogitServicer:
@@ -163,6 +168,13 @@ class OldLogitServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """The live replicas of the deployment (scale-out discovery; empty without Redis).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OldLogitServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +227,11 @@ def add_OldLogitServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.GetInfoRequest.FromString,
                     response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.Info.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasRequest.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -488,6 +505,33 @@ class OldLogit:
             '/oldlogit.v1.OldLogit/GetInfo',
             oldlogit_dot_v1_dot_oldlogit__pb2.GetInfoRequest.SerializeToString,
             oldlogit_dot_v1_dot_oldlogit__pb2.Info.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oldlogit.v1.OldLogit/ListReplicas',
+            oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasRequest.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

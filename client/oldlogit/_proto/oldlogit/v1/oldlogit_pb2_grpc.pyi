@@ -67,6 +67,8 @@ class OldLogitStub:
     """Releases a lease early."""
     GetInfo: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.GetInfoRequest, _oldlogit_pb2.Info]
     """The model architecture, numerics, limits and modes of the deployment."""
+    ListReplicas: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.ListReplicasRequest, _oldlogit_pb2.ListReplicasResponse]
+    """The live replicas of the deployment (scale-out discovery; empty without Redis)."""
 
 @_typing.type_check_only
 class OldLogitAsyncStub(OldLogitStub):
@@ -95,6 +97,8 @@ class OldLogitAsyncStub(OldLogitStub):
     """Releases a lease early."""
     GetInfo: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.GetInfoRequest, _oldlogit_pb2.Info]  # type: ignore[assignment]
     """The model architecture, numerics, limits and modes of the deployment."""
+    ListReplicas: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.ListReplicasRequest, _oldlogit_pb2.ListReplicasResponse]  # type: ignore[assignment]
+    """The live replicas of the deployment (scale-out discovery; empty without Redis)."""
 
 class OldLogitServicer(metaclass=_abc_1.ABCMeta):
     """The old-logit service: exact training-side logprobs of any retained policy version."""
@@ -180,5 +184,13 @@ class OldLogitServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_oldlogit_pb2.Info, _abc.Awaitable[_oldlogit_pb2.Info]]:
         """The model architecture, numerics, limits and modes of the deployment."""
+
+    @_abc_1.abstractmethod
+    def ListReplicas(
+        self,
+        request: _oldlogit_pb2.ListReplicasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.ListReplicasResponse, _abc.Awaitable[_oldlogit_pb2.ListReplicasResponse]]:
+        """The live replicas of the deployment (scale-out discovery; empty without Redis)."""
 
 def add_OldLogitServicer_to_server(servicer: OldLogitServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

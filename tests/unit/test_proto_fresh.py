@@ -62,6 +62,7 @@ def test_generated_code_imports_and_resolves_inside_the_package() -> None:
         "CreateLease",
         "DeleteLease",
         "GetInfo",
+        "ListReplicas",
     }
     assert service.methods_by_name["Publish"].client_streaming
     assert hasattr(pb_grpc, "OldLogitStub") and hasattr(pb_grpc, "add_OldLogitServicer_to_server")

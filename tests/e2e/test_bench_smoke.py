@@ -16,11 +16,12 @@ pytestmark = pytest.mark.e2e
 
 def test_bench_smoke(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "oldlogit_service.cli", "bench", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "oldlogit_service.cli", "bench", "serving", "throughput",
+         "delta", "soak", "--smoke", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=300,
+        timeout=480,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "results.json").read_text())
@@ -28,6 +29,11 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert any(n.startswith("P1 grpc") for n in names)
     by_name = {f["name"]: f for f in data["figures"]}
     assert by_name["in-process engine"]["value"] > 0
+    # Every figure of the suite ran (tiny sizes) and the plots were written.
+    for prefix in ("P2 ", "P3 ", "P6 ", "P7 ", "latency"):
+        assert any(n.startswith(prefix) for n in names), prefix
+    assert any("snapshot" in n or "stored" in n or "cold" in n for n in names), names
+    assert (tmp_path / "ratios.png").stat().st_size > 1000
     # The soak's short configuration: publishes, evictions, load; zero errors.
     assert by_name["soak errors"]["value"] == 0, by_name["soak errors"]["detail"]["errors"]
     assert by_name["soak errors"]["detail"]["requests"] > 20

@@ -305,9 +305,10 @@ class Runtime:
 
     # -- versions ------------------------------------------------------------------------
     def _check_version_arg(self, version: int) -> None:
-        if version < 0:
+        if not 0 <= version <= 2**63 - 1:
             raise InvalidRequest(
-                f"policy_version must be >= 0, got {version}", parameter="policy_version"
+                f"policy_version must be in [0, 2**63 - 1], got {version}",
+                parameter="policy_version",
             )
 
     async def publish_file(

@@ -16,8 +16,19 @@ pytestmark = pytest.mark.e2e
 
 def test_bench_smoke(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "oldlogit_service.cli", "bench", "serving", "throughput",
-         "delta", "soak", "--smoke", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "oldlogit_service.cli",
+            "bench",
+            "serving",
+            "throughput",
+            "delta",
+            "soak",
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,

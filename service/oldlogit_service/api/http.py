@@ -41,23 +41,23 @@ logger = logging.getLogger(__name__)
 
 class WatermarkBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, le=2**63 - 1)
 
 
 class LeaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, le=2**63 - 1)
     holder: str = Field("", max_length=256)
     ttl_s: float = 300.0
 
 
 class PublishByPathBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, le=2**63 - 1)
     path: str
     sha256: str | None = None
     delta: bool = False
-    parent: int | None = None
+    parent: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
 def error_response(exc: OldLogitError) -> JSONResponse:

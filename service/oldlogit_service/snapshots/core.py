@@ -41,10 +41,18 @@ __all__ = ["StoreCore", "check_sha", "check_version"]
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+MAX_VERSION = 2**63 - 1  # versions travel as int64 (gRPC, msgpack)
+
+
 def check_version(version: object, parameter: str = "policy_version") -> int:
-    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or int(version) < 0:
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, numbers.Integral)
+        or not 0 <= int(version) <= MAX_VERSION
+    ):
         raise InvalidRequest(
-            f"{parameter} must be a non-negative integer, got {version!r}", parameter=parameter
+            f"{parameter} must be an integer in [0, 2**63 - 1], got {version!r}",
+            parameter=parameter,
         )
     return int(version)
 

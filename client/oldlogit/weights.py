@@ -417,22 +417,31 @@ def read_entry_chunks(
         yield data
 
 
-def safetensors_sha256(path: str | os.PathLike[str]) -> str:
-    """The weight hash of a safetensors file or shard directory, from its raw bytes.
-
-    Equal to ``weight_sha256`` of the loaded tensors, without loading them (no torch needed).
-    """
+def shard_headers(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, SafetensorsHeader], list[SafetensorsHeader]]:
+    """The headers of a safetensors file or shard directory, and which header holds each
+    tensor; a tensor in two shards is refused (naming both)."""
     headers = [read_safetensors_header(f) for f in safetensors_files(path)]
     where: dict[str, SafetensorsHeader] = {}
     for h in headers:
         for name in h.tensors:
             if name in where:
                 raise InvalidRequest(
-                    f"the weights' tensor {name!r} appears in {where[name].path.name} and "
+                    f"the weights' tensor {name!r} appears in both {where[name].path.name} and "
                     f"{h.path.name}",
                     parameter="weights",
                 )
             where[name] = h
+    return where, headers
+
+
+def safetensors_sha256(path: str | os.PathLike[str]) -> str:
+    """The weight hash of a safetensors file or shard directory, from its raw bytes.
+
+    Equal to ``weight_sha256`` of the loaded tensors, without loading them (no torch needed).
+    """
+    where, headers = shard_headers(path)
     hasher = WeightHasher()
     handles = {h.path: open(h.path, "rb") for h in headers}  # noqa: SIM115 - closed below
     try:

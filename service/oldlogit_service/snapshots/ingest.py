@@ -23,8 +23,7 @@ from oldlogit.weights import (
     WeightHasher,
     dtype_name,
     read_entry_chunks,
-    read_safetensors_header,
-    safetensors_files,
+    shard_headers,
     tensor_raw_bytes,
     torch_dtype,
 )
@@ -147,17 +146,7 @@ def file_sources(
     path: Path, specs: ParamSpecs
 ) -> tuple[dict[str, TensorSource], list[SafetensorsHeader]]:
     """Check a safetensors file (or a directory of shards) from its headers alone."""
-    headers = [read_safetensors_header(p) for p in safetensors_files(path)]
-    where: dict[str, SafetensorsHeader] = {}
-    for h in headers:
-        for name in h.tensors:
-            if name in where:
-                raise InvalidRequest(
-                    f"the weights' tensor {name!r} appears in both {where[name].path.name} and "
-                    f"{h.path.name}",
-                    parameter="weights",
-                )
-            where[name] = h
+    where, headers = shard_headers(path)
     _check_names(where, specs)
     out: dict[str, TensorSource] = {}
     for name, h in where.items():

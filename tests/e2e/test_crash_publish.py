@@ -139,6 +139,7 @@ def test_kill_during_publish_short(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 20 kills = 40 server starts
 def test_kill_during_publish_20(tmp_path: Path) -> None:
     stats = run_kills(tmp_path, kills=20, seed=2)
     print("kill test:", stats)

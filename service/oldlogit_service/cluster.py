@@ -48,7 +48,6 @@ class Cluster:
         store: SnapshotStore,
         *,
         heartbeat_s: float = 1.0,
-        state: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.store = store
@@ -57,7 +56,7 @@ class Cluster:
         self.leases = RedisLeases(self._client, namespace)
         self.membership = RedisMembership(self._client, namespace, ttl_s=max(3.0, 3 * heartbeat_s))
         self._heartbeat_s = heartbeat_s
-        self._state = state or (lambda: {})
+        self._queue_depth: Callable[[], int] = lambda: 0
         self._address: dict[str, str] = {}
         self._stop = threading.Event()
         self._adopt_lock = threading.Lock()
@@ -73,8 +72,9 @@ class Cluster:
         store.external_pins = self.leased_versions
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, *, http: str, grpc: str) -> Cluster:
+    def start(self, *, http: str, grpc: str, queue_depth: Callable[[], int]) -> Cluster:
         self._address = {"http": http, "grpc": grpc}
+        self._queue_depth = queue_depth
         try:
             check_eviction_policy(self._client, want="noeviction", role="registry")
         except Exception:
@@ -95,14 +95,10 @@ class Cluster:
     def _beat_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                st = self._state()
+                resident = [r.version for r in self.store.versions() if "device" in r.tiers]
                 self.membership.beat(
                     self.replica_id,
-                    {
-                        **self._address,
-                        "queue_depth": st.get("queue_depth", 0),
-                        "resident": st.get("resident", []),
-                    },
+                    {**self._address, "queue_depth": self._queue_depth(), "resident": resident},
                 )
             except Unavailable:
                 logger.debug("heartbeat skipped: registry unreachable")

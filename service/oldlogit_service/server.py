@@ -103,10 +103,7 @@ def build_runtime(settings: Settings) -> Runtime:
             state_dir=settings.snapshot_dir / "ewma",
         )
         ewma.catch_up(store)  # versions published before (or while it was off)
-    rt = Runtime(settings, model, store, engine, cache, ewma=ewma, cluster=cluster)
-    if cluster is not None:
-        cluster._state = rt.state  # heartbeats carry the queue depth and resident versions
-    return rt
+    return Runtime(settings, model, store, engine, cache, ewma=ewma, cluster=cluster)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -172,7 +169,7 @@ async def serve(
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     bound = Bound(http=f"{host}:{http_port}", grpc=f"{host}:{grpc_port}")
     if rt.cluster is not None:
-        rt.cluster.start(http=bound.http, grpc=bound.grpc)
+        rt.cluster.start(http=bound.http, grpc=bound.grpc, queue_depth=lambda: rt.scheduler.depth)
     if on_ready is not None:
         on_ready(bound, rt)
     try:

@@ -122,8 +122,18 @@ def test_publish_on_one_read_bitwise_on_the_others(cluster: Cluster) -> None:
     import httpx
 
     r = httpx.get(f"{cluster.http(1)}/v1/replicas", headers={"authorization": f"Bearer {TOKEN}"})
-    members = {m["replica_id"] for m in r.json()["replicas"]}
-    assert members == {"r0", "r1", "r2"}
+    members = {m["replica_id"]: m for m in r.json()["replicas"]}
+    assert set(members) == {"r0", "r1", "r2"}
+    # A heartbeat after the reads above: replica 1 reports version 1 resident.
+    resident: list[int] = []
+    end = time.monotonic() + 5
+    while 1 not in resident and time.monotonic() < end:
+        time.sleep(0.2)
+        r = httpx.get(
+            f"{cluster.http(1)}/v1/replicas", headers={"authorization": f"Bearer {TOKEN}"}
+        )
+        resident = {m["replica_id"]: m for m in r.json()["replicas"]}["r1"]["resident"]
+    assert 1 in resident
     # The client discovers the live replicas (gRPC here) from any one of them.
     with Client(cluster.grpc(2), token=TOKEN) as c:
         urls = c.discover()

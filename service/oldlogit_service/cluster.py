@@ -163,7 +163,7 @@ class Cluster:
     def _on_event(self, ev: dict[str, Any]) -> None:
         kind, version = ev.get("event"), int(ev.get("version", -1))
         if kind == "watermark":
-            self._apply_watermark(version)
+            self.apply_watermark(version)
         elif kind == "deleted":
             self._apply_delete(version)
         elif kind in ("lease", "release"):
@@ -177,12 +177,14 @@ class Cluster:
         except Unavailable:
             return
         if wm is not None:
-            self._apply_watermark(wm)
+            self.apply_watermark(wm)
         for rec in self.store.versions():
             if rec.version not in registered and self.registry.is_gone(rec.version):
                 self._apply_delete(rec.version)
 
-    def _apply_watermark(self, version: int) -> None:
+    def apply_watermark(self, version: int) -> None:
+        """Raise the local store's watermark to ``version`` if it is behind (idempotent; pub/sub
+        normally brings it, a reader that saw a newer registry watermark brings it sooner)."""
         try:
             cur = self.store.watermark
             if cur is None or version > cur:
@@ -200,7 +202,7 @@ class Cluster:
     # -- operations the runtime routes here ------------------------------------------------
     def set_watermark(self, version: int) -> int:
         wm = self.registry.raise_watermark(version)
-        self._apply_watermark(wm)
+        self.apply_watermark(wm)
         return wm
 
     def delete(self, version: int) -> None:

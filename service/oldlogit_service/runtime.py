@@ -428,6 +428,11 @@ class Runtime:
             watermark = self.cluster.registry.watermark()
         except Unavailable:
             return list(local.values()), self.store.watermark
+        if watermark is not None and (self.store.watermark or -1) < watermark:
+            # raised on another replica and its event not here yet: apply it before answering,
+            # so a listing right after set_watermark agrees on every replica
+            self.cluster.apply_watermark(watermark)
+            local = {r.version: _record_to_info(r) for r in self.store.versions()}
         for v, rec in shared.items():
             if watermark is not None and v < watermark:
                 continue

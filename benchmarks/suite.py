@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers, args.vocab = 64, 2, 512
         args.seqs, args.seq_len, args.concurrency, args.single_len, args.reps = 4, 64, 4, 16, 1
         args.duration_s, args.capacity_s, args.publish_every_s = 8.0, 3.0, 1.0
+        args.warmup_s = 2.0
         delta_trace.smoke(args)
         args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []

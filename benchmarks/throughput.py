@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
             ]
         )
         naive_tps = conc * rounds * L / naive_t
+        inproc_s: dict[str, float] = {}
         for mode, srv in servers.items():
             clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
 
@@ -231,6 +232,20 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     {"in_process_tokens_per_s": inproc_tps},
                 )
             )
+            figures.append(
+                Figure(
+                    f"P3 {mode} ceiling here: in-process big batch ÷ naive server",
+                    inproc_tps / naive_tps,
+                    "ratio",
+                    "",
+                    {
+                        "why": "the most any server can reach on this machine with this "
+                        "engine: P3 ÷ naive cannot exceed it by more than the transport's "
+                        "overlap with compute",
+                    },
+                )
+            )
+            inproc_s[mode] = inproc / conc  # seconds per single sequence, no switches
             for c in clients:
                 c.close()
 
@@ -270,6 +285,16 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     "oldlogit_s": ours_t6,
                     "device_evictions": evictions,
                 },
+            )
+        )
+        # The same requests in process at one version, no switches at all: P6 cannot pass it.
+        figures.append(
+            Figure(
+                f"P6 ceiling here: naive ÷ in-process with no version switch ({args.p6_mode})",
+                naive_t6 / (len(reqs) * inproc_s[args.p6_mode]),
+                "ratio",
+                "",
+                {"in_process_s": len(reqs) * inproc_s[args.p6_mode]},
             )
         )
 

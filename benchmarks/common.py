@@ -113,3 +113,5 @@ def print_table(figures: list[Figure]) -> None:
     print(f"{'figure':<{w}}  {'value':>10}  {'unit':<10}  goal")
     for f in figures:
         print(f"{f.name:<{w}}  {f.value:>10.3f}  {f.unit:<10}  {f.goal}")
+        if "printed" in f.detail:  # counts a reader needs beside the ratio
+            print(f"    {f.detail['printed']}")

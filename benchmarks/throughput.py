@@ -270,9 +270,11 @@ def run(args: argparse.Namespace) -> list[Figure]:
         after = httpx.get(f"{srv.http_url}/metrics").text
         for c in clients:
             c.close()
-        evictions = _metric(after, "oldlogit_evictions_total", '{tier="device"}') - _metric(
-            before, "oldlogit_evictions_total", '{tier="device"}'
-        )
+
+        def moved(name: str, labels: str = "") -> float:
+            return _metric(after, name, labels) - _metric(before, name, labels)
+
+        evictions = moved("oldlogit_evictions_total", '{tier="device"}')
         figures.append(
             Figure(
                 f"P6 16 versions, budget 4 ({args.p6_mode}) ÷ naive",
@@ -284,6 +286,17 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     "naive_s": naive_t6,
                     "oldlogit_s": ours_t6,
                     "device_evictions": evictions,
+                    "loads": moved("oldlogit_weight_loads_total", '{source="disk"}')
+                    + moved("oldlogit_weight_loads_total", '{source="host"}'),
+                    "rebuilds": moved("oldlogit_rebuilds_total"),
+                    "patches_applied": moved("oldlogit_patches_applied_total"),
+                    "load_seconds": moved("oldlogit_weight_load_seconds_total"),
+                    "printed": (
+                        f"{evictions:.0f} device evictions, "
+                        f"{moved('oldlogit_rebuilds_total'):.0f} rebuilds "
+                        f"({moved('oldlogit_patches_applied_total'):.0f} patches applied), "
+                        f"{moved('oldlogit_weight_load_seconds_total'):.2f} s loading"
+                    ),
                 },
             )
         )

@@ -50,6 +50,30 @@ class _StateCollector(Collector):
         for tier, n in s.get("evictions", {}).items():
             evictions.add_metric([tier], float(n))
         yield evictions
+        loads = CounterMetricFamily(
+            "oldlogit_weight_loads",
+            "Versions made device-resident, by where the bytes came from (disk: a keyframe "
+            "read or a rebuild from keyframe + patches; host: a host-tier copy)",
+            labels=["source"],
+        )
+        loads.add_metric(["disk"], float(s.get("loads_disk", 0)))
+        loads.add_metric(["host"], float(s.get("loads_host", 0)))
+        yield loads
+        yield CounterMetricFamily(
+            "oldlogit_weight_load_seconds",
+            "Seconds spent making versions device-resident",
+            value=float(s.get("load_seconds", 0.0)),
+        )
+        yield CounterMetricFamily(
+            "oldlogit_rebuilds",
+            "Versions rebuilt from a base plus patches",
+            value=float(s.get("rebuilds", 0)),
+        )
+        yield CounterMetricFamily(
+            "oldlogit_patches_applied",
+            "Patches applied by rebuilds",
+            value=float(s.get("patches_applied", 0)),
+        )
         yield GaugeMetricFamily(
             "oldlogit_versions",
             "Versions retained (acknowledged, not evicted)",

@@ -1,9 +1,10 @@
 """Soak: ~80 % of measured capacity with publishes and evictions, bounded in time and count.
 
-Measures capacity first (closed loop, C clients, single-sequence requests), then drives an
-open-loop load at ``--load`` × capacity for ``--duration-s`` while a publisher adds a version
-every ``--publish-every-s`` and moves the watermark (so versions are evicted and deleted), with
-a device budget of a few versions (so requests reload from disk). Reports the error count, p50/
+A publisher adds a version every ``--publish-every-s`` and moves the watermark (so versions are
+evicted and deleted) from the first second to the last, with a device budget of a few versions
+(so requests reload from disk). Capacity is measured first under it (closed loop, 8 clients,
+single-sequence requests), then an open-loop load at ``--load`` × capacity runs for the
+warm-up and ``--duration-s``. Reports the error count, p50/
 p99 per window and their drift, and the server's RSS growth. Loopback only; stops by itself.
 
 The load phase starts with a warm-up (``--warmup-s``, the same load): the store starts it
@@ -88,16 +89,54 @@ def run(args: argparse.Namespace) -> list[Figure]:
         v = pool[-1 - min(len(pool) - 1, int(rng.expovariate(0.7)))]  # Zipf-ish: recent
         return [rng.randrange(args.soak_vocab) for _ in range(args.soak_tokens)], v
 
+    stop = threading.Event()
+
+    def publisher() -> None:
+        with Client(server.http_url, token=TOKEN, timeout_s=120) as c:
+            v = 0
+            while not stop.wait(args.publish_every_s):
+                v += 1
+                g = torch.Generator().manual_seed(v)
+                w = {
+                    k: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
+                    for k, t in base.items()
+                }
+                try:
+                    c.publish(v, w)
+                    with lock:
+                        versions.append(v)
+                        if len(versions) > 8:
+                            wm = versions[-8]
+                            del versions[:-8]
+                        else:
+                            wm = None
+                    if wm is not None:
+                        time.sleep(0.5)  # let in-flight requests for old versions finish
+                        c.set_watermark(wm)
+                except OldLogitError as exc:
+                    errors.append(f"publish {v}: {exc.code}: {exc}")
+
     try:
-        # 1. Capacity: closed loop.
+        # 1. Capacity: closed loop, with the publisher already running, so that "80 % of
+        # capacity" means 80 % of what the service does while versions come and go.
+        pub = threading.Thread(target=publisher)
+        pub.start()
         done = 0
         stop_at = time.monotonic() + args.capacity_s
 
         def closed(c: Any) -> None:
-            nonlocal done
+            nonlocal done, races
             while time.monotonic() < stop_at:
                 ids, v = make_seq()
-                c.logprobs(ids, policy_version=v, use_cache=False)
+                try:
+                    c.logprobs(ids, policy_version=v, use_cache=False)
+                except OldLogitError as exc:
+                    if exc.code != "version_evicted":
+                        errors.append(f"capacity logprobs v{v}: {exc.code}: {exc}")
+                        continue
+                    with lock:
+                        races += 1
+                    continue
                 with lock:
                     done += 1
 
@@ -116,38 +155,12 @@ def run(args: argparse.Namespace) -> list[Figure]:
         start = time.monotonic()
         warm = args.warmup_s
         end = start + warm + args.duration_s
-        stop = threading.Event()
         rss_series: list[tuple[float, int]] = [(0.0, rss0)]
 
         def sample_rss() -> None:
             every = max(0.5, min(5.0, (warm + args.duration_s) / 100))
             while not stop.wait(every):
                 rss_series.append((time.monotonic() - start, _rss_bytes(server.proc.pid)))
-
-        def publisher() -> None:
-            with Client(server.http_url, token=TOKEN, timeout_s=120) as c:
-                v = 0
-                while not stop.wait(args.publish_every_s):
-                    v += 1
-                    g = torch.Generator().manual_seed(v)
-                    w = {
-                        k: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
-                        for k, t in base.items()
-                    }
-                    try:
-                        c.publish(v, w)
-                        with lock:
-                            versions.append(v)
-                            if len(versions) > 8:
-                                wm = versions[-8]
-                                del versions[:-8]
-                            else:
-                                wm = None
-                        if wm is not None:
-                            time.sleep(0.5)  # let in-flight requests for old versions finish
-                            c.set_watermark(wm)
-                    except OldLogitError as exc:
-                        errors.append(f"publish {v}: {exc.code}: {exc}")
 
         def worker(c: Any, k: int, n_workers: int) -> None:
             nonlocal sent, races
@@ -174,8 +187,6 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     sent += 1
                 i += 1
 
-        pub = threading.Thread(target=publisher)
-        pub.start()
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()
         n_workers = 16
@@ -195,6 +206,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
         for c in clients + wclients:
             c.close()
     finally:
+        stop.set()  # the publisher ends with the run, whatever ended it
         server.stop()
 
     lat = [(t - warm, d) for t, d in lat if t >= warm]  # the measured period only

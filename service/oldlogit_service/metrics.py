@@ -20,6 +20,18 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
 
+# Plain store counters: (metric name, help, key in the store's stats).
+_STORE_COUNTERS = (
+    (
+        "oldlogit_weight_load_seconds",
+        "Seconds spent making versions device-resident",
+        "load_seconds",
+    ),
+    ("oldlogit_rebuilds", "Versions rebuilt from a base plus patches", "rebuilds"),
+    ("oldlogit_patches_applied", "Patches applied by rebuilds", "patches_applied"),
+)
+
+
 class _StateCollector(Collector):
     """Reads live state (tiers, queue, cache, versions) at scrape time."""
 
@@ -59,21 +71,8 @@ class _StateCollector(Collector):
         loads.add_metric(["disk"], float(s.get("loads_disk", 0)))
         loads.add_metric(["host"], float(s.get("loads_host", 0)))
         yield loads
-        yield CounterMetricFamily(
-            "oldlogit_weight_load_seconds",
-            "Seconds spent making versions device-resident",
-            value=float(s.get("load_seconds", 0.0)),
-        )
-        yield CounterMetricFamily(
-            "oldlogit_rebuilds",
-            "Versions rebuilt from a base plus patches",
-            value=float(s.get("rebuilds", 0)),
-        )
-        yield CounterMetricFamily(
-            "oldlogit_patches_applied",
-            "Patches applied by rebuilds",
-            value=float(s.get("patches_applied", 0)),
-        )
+        for name, doc, key in _STORE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0)))
         yield GaugeMetricFamily(
             "oldlogit_versions",
             "Versions retained (acknowledged, not evicted)",

@@ -18,7 +18,7 @@ from typing import Any
 from oldlogit._delta import bits_view
 from oldlogit.errors import InvalidRequest, NotFound, VersionEvicted, WeightsMismatch
 from oldlogit.weights import DTYPE_ITEMSIZE, read_safetensors_header
-from oldlogit_service.snapshots import buffers, codec, ingest, persist
+from oldlogit_service.snapshots import buffers, codec, persist
 from oldlogit_service.snapshots.core import check_sha, check_version
 from oldlogit_service.snapshots.publishing import Publishing
 from oldlogit_service.snapshots.records import PublishOutcome
@@ -128,12 +128,9 @@ class Deltas(Publishing):
     ) -> PublishOutcome:
         """Full weights, read into memory once: hashed, diffed against the newest retained
         version, stored as a patch or a keyframe."""
-        with self._lock:
-            existing = self._precheck_locked(version)
-        if existing is not None:  # a retry: hash only, write nothing
-            sha = ingest.hash_sources(sources)
-            self._check_expected(sha, expected)
-            return self._same_or_conflict(version, sha, existing)
+        retried = self._if_retry(version, sources, expected)
+        if retried is not None:
+            return retried
         buf, layout, sha = buffers.buffer_from_sources(sources, pin=self._pin_host)
         self._check_expected(sha, expected)
         res = Resident(buf, layout, persist.tensor_views(buf, layout), self._snapshot_nbytes)

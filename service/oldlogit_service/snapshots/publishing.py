@@ -140,15 +140,26 @@ class Publishing(Chains):
             details={"existing_sha256": existing, "sha256": sha},
         )
 
+    def _if_retry(
+        self, version: int, sources: Mapping[str, persist.TensorSource], expected: str | None
+    ) -> PublishOutcome | None:
+        """The outcome for a version this store already holds (a retry: hash only, write
+        nothing; the same weights or a conflict), or None if the version is new. Raises the
+        order checks' errors."""
+        with self._lock:
+            existing = self._precheck_locked(version)
+        if existing is None:
+            return None
+        sha = ingest.hash_sources(sources)
+        self._check_expected(sha, expected)
+        return self._same_or_conflict(version, sha, existing)
+
     def _publish_sources(
         self, version: int, sources: Mapping[str, persist.TensorSource], expected: str | None
     ) -> PublishOutcome:
-        with self._lock:
-            existing = self._precheck_locked(version)
-        if existing is not None:  # a retry: hash only, write nothing
-            sha = ingest.hash_sources(sources)
-            self._check_expected(sha, expected)
-            return self._same_or_conflict(version, sha, existing)
+        retried = self._if_retry(version, sources, expected)
+        if retried is not None:
+            return retried
         tmp = persist.temp_path(self._weights_dir)
         name = persist.keyframe_name(version)
         try:

@@ -122,16 +122,18 @@ class Cluster:
         if self.store.has(version):
             return
         rec = self.registry.get(version)
-        wm = self.registry.watermark() if rec is not None else None
-        if rec is not None and wm is not None and version < wm and not self.leases.live(version):
-            rec = None  # below the watermark and not leased: retired everywhere
         if rec is None:
-            if self.registry.is_gone(version) or (wm is not None and version < wm):
-                raise VersionEvicted(
-                    f"policy_version {version} was deleted from the deployment",
-                    parameter="policy_version",
-                    details={"retained": self._retained()},
-                )
+            gone = self.registry.is_gone(version)
+        else:  # below the watermark and not leased: retired everywhere
+            wm = self.registry.watermark()
+            gone = wm is not None and version < wm and not self.leases.live(version)
+        if gone:
+            raise VersionEvicted(
+                f"policy_version {version} was deleted from the deployment",
+                parameter="policy_version",
+                details={"retained": self._retained()},
+            )
+        if rec is None:
             raise UnknownVersion(
                 f"policy_version {version} was never published", parameter="policy_version"
             )

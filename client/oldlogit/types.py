@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 NOT_SCORED = -1  # the per-token version that means "not scored" (typically the prompt)
+MAX_VERSION = 2**63 - 1  # the largest policy version: versions travel as int64 (gRPC, msgpack)
 
 
 def _as_int_array(value: Any) -> npt.NDArray[np.int64]:

@@ -51,6 +51,7 @@ from oldlogit_service.metrics import Metrics
 from oldlogit_service.model import LoadedModel
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
 from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.snapshots.core import check_version
 from oldlogit_service.validate import Limits, SequencePlan, plan_request
 
 logger = logging.getLogger(__name__)
@@ -199,14 +200,15 @@ class Runtime:
         timeout = req.timeout_s or self.settings.request_timeout_s
         deadline = time.monotonic() + timeout
         snap = self.ewma.snapshot() if self.ewma is not None else None  # one view per request
+        wanted = {v for p in plans for v in p.jobs}
         if self.cluster is not None:
-            for v in {v for p in plans for v in p.jobs}:
+            for v in wanted:
                 if not self.store.has(v):  # published on another replica: adopt it
                     await asyncio.to_thread(
                         self._adopt_or_none, v, req.allow_inexact or req.proxy is not None
                     )
         hashes, proxied = resolve_hashes(
-            {v for p in plans for v in p.jobs},
+            wanted,
             self.store.sha256,  # UnknownVersion / VersionEvicted
             snap,
             proxy=req.proxy,
@@ -304,17 +306,10 @@ class Runtime:
         return out
 
     # -- versions ------------------------------------------------------------------------
-    def _check_version_arg(self, version: int) -> None:
-        if not 0 <= version <= 2**63 - 1:
-            raise InvalidRequest(
-                f"policy_version must be in [0, 2**63 - 1], got {version}",
-                parameter="policy_version",
-            )
-
     async def publish_file(
         self, version: int, path: Path, *, sha256: str | None, move: bool
     ) -> PublishResult:
-        self._check_version_arg(version)
+        check_version(version)
         return await self._publish(
             lambda: self.store.publish_file(version, path, expected_sha256=sha256, move=move)
         )
@@ -324,7 +319,7 @@ class Runtime:
     ) -> PublishResult:
         """A delta upload (changed elements only) against ``parent`` (None: the file's, else
         the newest retained); ``ParentMissing`` when the store lacks it."""
-        self._check_version_arg(version)
+        check_version(version)
         return await self._publish(
             lambda: self.store.publish_delta(version, path, parent=parent, expected_sha256=sha256)
         )
@@ -332,7 +327,7 @@ class Runtime:
     async def publish_weights(
         self, version: int, weights: Mapping[str, torch.Tensor], *, sha256: str | None
     ) -> PublishResult:
-        self._check_version_arg(version)
+        check_version(version)
         return await self._publish(
             lambda: self.store.publish(version, weights, expected_sha256=sha256)
         )
@@ -348,7 +343,7 @@ class Runtime:
     ) -> PublishResult:
         """Publish from storage the service can read, only under the configured roots
         (``delta``: the path holds a delta file against ``parent``)."""
-        self._check_version_arg(version)
+        check_version(version)
         roots = [r.resolve() for r in self.settings.publish_roots]
         if not roots:
             raise Forbidden(
@@ -428,7 +423,8 @@ class Runtime:
             watermark = self.cluster.registry.watermark()
         except Unavailable:
             return list(local.values()), self.store.watermark
-        if watermark is not None and (self.store.watermark or -1) < watermark:
+        local_wm = self.store.watermark
+        if watermark is not None and (local_wm is None or local_wm < watermark):
             # raised on another replica and its event not here yet: apply it before answering,
             # so a listing right after set_watermark agrees on every replica
             self.cluster.apply_watermark(watermark)
@@ -460,7 +456,7 @@ class Runtime:
         await asyncio.to_thread(self.store.delete, version)
 
     async def set_watermark(self, version: int) -> int:
-        self._check_version_arg(version)
+        check_version(version)
         if self.cluster is not None:
             return await asyncio.to_thread(self.cluster.set_watermark, version)
         await asyncio.to_thread(self.store.set_watermark, version)

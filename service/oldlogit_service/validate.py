@@ -22,7 +22,7 @@ from oldlogit.errors import (
     SequenceTooLong,
     TokenOutOfVocab,
 )
-from oldlogit.types import NOT_SCORED, LogprobsRequest, Sampling, Sequence
+from oldlogit.types import MAX_VERSION, NOT_SCORED, LogprobsRequest, Sampling, Sequence
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _per_token_versions(seq: Sequence, where: str) -> npt.NDArray[np.int64]:
                 f"{where}.versions must have one entry per token ({n}), got {len(seq.versions)}",
                 parameter=f"{where}.versions",
             )
-        if n and (int(seq.versions.min()) < NOT_SCORED):
+        if n and int(seq.versions.min()) < NOT_SCORED:
             bad = int(np.argmax(seq.versions < NOT_SCORED))
             raise MalformedVersions(
                 f"{where}.versions[{bad}] = {int(seq.versions[bad])}: versions are "
@@ -94,7 +94,7 @@ def _per_token_versions(seq: Sequence, where: str) -> npt.NDArray[np.int64]:
             f"{where}: give policy_version (+ optional score_from) or per-token versions",
             parameter=f"{where}.policy_version",
         )
-    if not 0 <= seq.policy_version <= 2**63 - 1:
+    if not 0 <= seq.policy_version <= MAX_VERSION:
         raise MalformedVersions(
             f"{where}.policy_version must be in [0, 2**63 - 1], got {seq.policy_version}",
             parameter=f"{where}.policy_version",

@@ -30,7 +30,7 @@ from oldlogit.errors import (
     OldLogitError,
     Overloaded,
 )
-from oldlogit.types import Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
+from oldlogit.types import MAX_VERSION, Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
 from oldlogit_service import __version__
 from oldlogit_service.api.status_page import render_status_page
 from oldlogit_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -41,23 +41,23 @@ logger = logging.getLogger(__name__)
 
 class WatermarkBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0, le=2**63 - 1)
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
 
 
 class LeaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0, le=2**63 - 1)
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
     holder: str = Field("", max_length=256)
     ttl_s: float = 300.0
 
 
 class PublishByPathBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0, le=2**63 - 1)
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
     path: str
     sha256: str | None = None
     delta: bool = False
-    parent: int | None = Field(None, ge=0, le=2**63 - 1)
+    parent: int | None = Field(None, ge=0, le=MAX_VERSION)
 
 
 def error_response(exc: OldLogitError) -> JSONResponse:
@@ -186,13 +186,13 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.get("/v1/versions", summary="Retained versions, their tiers, and the watermark")
     async def list_versions(request: Request) -> dict[str, Any]:
         auth(request, write=False)
-        versions, watermark = rt.versions()
+        versions, watermark = await asyncio.to_thread(rt.versions)
         return {"versions": [v.model_dump(mode="json") for v in versions], "watermark": watermark}
 
     @app.get("/v1/versions/{policy_version}", response_model=VersionInfo)
     async def get_version(request: Request, policy_version: int) -> VersionInfo:
         auth(request, write=False)
-        return rt.version(policy_version)
+        return await asyncio.to_thread(rt.version, policy_version)
 
     @app.delete("/v1/versions/{policy_version}")
     async def delete_version(request: Request, policy_version: int) -> dict[str, int]:
@@ -274,12 +274,14 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.post("/v1/leases", response_model=LeaseInfo, summary="Pin a version for ttl_s seconds")
     async def create_lease(request: Request, body: LeaseBody) -> LeaseInfo:
         auth(request, write=True)
-        return rt.create_lease(body.policy_version, body.holder, body.ttl_s)
+        return await asyncio.to_thread(
+            rt.create_lease, body.policy_version, body.holder, body.ttl_s
+        )
 
     @app.delete("/v1/leases/{lease_id}")
     async def delete_lease(request: Request, lease_id: str) -> dict[str, str]:
         auth(request, write=True)
-        rt.release_lease(lease_id)
+        await asyncio.to_thread(rt.release_lease, lease_id)
         return {"released": lease_id}
 
     # -- introspection -------------------------------------------------------------------
@@ -309,6 +311,6 @@ def create_app(rt: Runtime) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def status_page() -> HTMLResponse:
-        return HTMLResponse(render_status_page(rt))
+        return HTMLResponse(await asyncio.to_thread(render_status_page, rt))
 
     return app

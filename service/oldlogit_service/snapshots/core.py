@@ -28,6 +28,7 @@ from oldlogit.errors import (
     VersionEvicted,
     WeightsMismatch,
 )
+from oldlogit.types import MAX_VERSION
 from oldlogit.weights import read_safetensors_header
 from oldlogit_service.snapshots import ingest, persist
 from oldlogit_service.snapshots.leases import LeaseRecord, LeaseTable
@@ -39,9 +40,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["StoreCore", "check_sha", "check_version"]
 
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-MAX_VERSION = 2**63 - 1  # versions travel as int64 (gRPC, msgpack)
 
 
 def check_version(version: object, parameter: str = "policy_version") -> int:

@@ -167,6 +167,7 @@ class GrpcTransport:
                 "http": r.http,
                 "grpc": r.grpc,
                 "queue_depth": r.queue_depth,
+                "resident": list(r.resident),
             }
             for r in msg.replicas
         ]

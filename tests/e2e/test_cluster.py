@@ -148,6 +148,8 @@ def test_publish_on_one_read_bitwise_on_the_others(cluster: Cluster) -> None:
     with Client(cluster.grpc(2), token=TOKEN) as c:
         urls = c.discover()
         assert sorted(urls) == sorted(cluster.grpc(i) for i in range(3))
+        # gRPC answers what HTTP answers, resident versions included.
+        assert 1 in {m["replica_id"]: m for m in c.replicas()}["r1"]["resident"]
         assert c.logprobs(ids, policy_version=1).versions == [1]
 
 

@@ -188,11 +188,12 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         return convert.response_to_proto(resp, req)
 
     async def ListVersions(self, request: Any, context: Any) -> Any:
-        versions, watermark = self._rt.versions()
+        versions, watermark = await asyncio.to_thread(self._rt.versions)
         return convert.versions_to_proto(versions, watermark)
 
     async def GetVersion(self, request: Any, context: Any) -> Any:
-        return convert.version_info_to_proto(self._rt.version(request.policy_version))
+        info = await asyncio.to_thread(self._rt.version, request.policy_version)
+        return convert.version_info_to_proto(info)
 
     async def DeleteVersion(self, request: Any, context: Any) -> Any:
         await self._rt.delete_version(request.policy_version)
@@ -262,11 +263,13 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         return pb.WatermarkResponse(watermark=wm)
 
     async def CreateLease(self, request: Any, context: Any) -> Any:
-        lease = self._rt.create_lease(request.policy_version, request.holder, request.ttl_s)
+        lease = await asyncio.to_thread(
+            self._rt.create_lease, request.policy_version, request.holder, request.ttl_s
+        )
         return convert.lease_info_to_proto(lease)
 
     async def DeleteLease(self, request: Any, context: Any) -> Any:
-        self._rt.release_lease(request.lease_id)
+        await asyncio.to_thread(self._rt.release_lease, request.lease_id)
         return pb.DeleteLeaseResponse(lease_id=request.lease_id)
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
@@ -281,6 +284,7 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
                     http=str(m.get("http", "")),
                     grpc=str(m.get("grpc", "")),
                     queue_depth=int(m.get("queue_depth", 0)),
+                    resident=sorted(int(v) for v in m.get("resident", [])),
                 )
                 for m in replicas
             ]

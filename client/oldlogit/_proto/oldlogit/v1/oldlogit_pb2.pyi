@@ -899,6 +899,7 @@ class Replica(_message.Message):
     HTTP_FIELD_NUMBER: _builtins.int
     GRPC_FIELD_NUMBER: _builtins.int
     QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
+    RESIDENT_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id in the deployment."""
     http: _builtins.str
@@ -907,6 +908,10 @@ class Replica(_message.Message):
     """Its gRPC address, host:port."""
     queue_depth: _builtins.int
     """Jobs waiting in its scheduler at its last heartbeat."""
+    @_builtins.property
+    def resident(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Versions resident in its device tier at its last heartbeat, ascending."""
+
     def __init__(
         self,
         *,
@@ -914,10 +919,11 @@ class Replica(_message.Message):
         http: _builtins.str = ...,
         grpc: _builtins.str = ...,
         queue_depth: _builtins.int = ...,
+        resident: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grpc", b"grpc", "http", b"http", "queue_depth", b"queue_depth", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grpc", b"grpc", "http", b"http", "queue_depth", b"queue_depth", "replica_id", b"replica_id", "resident", b"resident"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

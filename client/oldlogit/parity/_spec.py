@@ -1,0 +1,97 @@
+"""What a batch-invariant forward's numbers depend on, written down without torch.
+
+In: settings a trainer or a service runs with. Out: a ``NumericsSpec`` whose ``key`` names the
+numerics in cache keys and ``/v1/info``, and ``mismatches`` that say which setting two sides
+disagree on. Imported by the torch-free client; never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "DEFAULT_TILE_ROWS",
+    "PROFILES",
+    "NumericsMismatch",
+    "NumericsSpec",
+    "Profile",
+    "SamplingParams",
+]
+
+# Rows per GEMM tile in the invariant profile. Part of the numerics: a trainer and the service
+# must use the same value (changing it changes last bits). 64 rows keep short sequences cheap on
+# CPU (padding a sequence costs at most 63 rows per matmul) and measured as fast as one plain
+# GEMM for float32 (README "Exactness contract").
+DEFAULT_TILE_ROWS = 64
+
+Profile = Literal["invariant", "hf"]
+PROFILES: tuple[Profile, ...] = ("invariant", "hf")
+
+
+class NumericsMismatch(ValueError):
+    """Two sides run different numerics, so their logprobs cannot be bitwise equal."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampler's settings. ``temperature=1, top_k=0, top_p=1`` is the raw distribution.
+
+    ``top_k=0`` (or ≥ vocab) and ``top_p>=1`` switch the filter off. The service validates
+    ranges at its edge; here they are only asserted.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def is_raw(self) -> bool:
+        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0
+
+
+@dataclass(frozen=True)
+class NumericsSpec:
+    """Everything besides weights and tokens that decides a logprob's bits.
+
+    ``profile``: ``invariant`` (fixed-shape tiles, per-sequence attention: one forward for
+    trainer and service) or ``hf`` (the unpatched HF forward of the sequence alone).
+    ``tile_rows`` is None for ``hf``. ``threads`` is the CPU intra-op thread count (on CUDA it
+    does not enter the numerics and is reported as 0).
+    """
+
+    profile: Profile
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    device_kind: str  # "cpu" | "cuda"
+    tile_rows: int | None
+    threads: int
+    lm_head_fp32: bool
+    attention: str = ""  # the attention kernel, e.g. "oldlogit_invariant/sdpa" or "sdpa"
+
+    @property
+    def key(self) -> str:
+        """One string naming these numerics (result-cache keys, logs)."""
+        tiles = f"tile={self.tile_rows}" if self.tile_rows else "tile=-"
+        head = "head=float32" if self.lm_head_fp32 else f"head={self.dtype}"
+        return (
+            f"{self.profile}/{self.dtype}/{self.device_kind}/{tiles}/threads={self.threads}/"
+            f"{head}/{self.attention or '-'}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def mismatches(self, other: NumericsSpec) -> list[str]:
+        """The settings in which ``other`` differs from this spec, as readable sentences.
+
+        The attention name is not compared: it is derived from the profile on both sides.
+        """
+        out = []
+        for name in ("profile", "dtype", "device_kind", "tile_rows", "lm_head_fp32"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                out.append(f"{name}: {mine!r} here, {theirs!r} there")
+        if self.device_kind == "cpu" and other.device_kind == "cpu":
+            if self.threads != other.threads:
+                out.append(f"threads: {self.threads} here, {other.threads} there")
+        return out

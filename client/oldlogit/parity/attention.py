@@ -1,0 +1,219 @@
+"""Attention per sequence over its own unpadded keys, whatever the padding, packing or batch.
+
+In: the segment plan of a batch (which rows of which batch row are one sequence) and HF's
+attention call (query [B, H, T, D], key/value [B, Hkv, T, D]). Out: [B, T, H, D], each
+sequence's rows computed by the same kernel call, on the same shapes, as when that sequence is
+run alone; padding rows are zero. Registered with transformers' ``AttentionInterface`` under
+``ATTENTION_NAME``; the plan reaches it as the ``oldlogit_segments`` keyword that HF models pass
+through to their attention function.
+
+Kernel per segment of L tokens: ``scaled_dot_product_attention`` with ``is_causal`` when no
+window is narrower than L and no logit softcap is set; an explicit causal+window mask when a
+sliding window is narrower than L; the eager formula (as HF writes it for Gemma 2) when the
+attention logits are soft-capped or dropout is on.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ATTENTION_NAME", "InvariantNumericsError", "Segments", "plan_segments", "register"]
+
+ATTENTION_NAME = "oldlogit_invariant"
+SEGMENTS_KWARG = "oldlogit_segments"
+
+_local = threading.local()
+
+
+class InvariantNumericsError(RuntimeError):
+    """The batch-invariant forward cannot be guaranteed for this model or input."""
+
+
+def in_attention() -> bool:
+    """True while this thread runs the invariant attention (its matmuls are per segment)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The sequences of a [B, T] batch: (batch row, start, end) each, end exclusive."""
+
+    rows: tuple[tuple[int, int, int], ...]
+    batch: int
+    length: int
+
+
+def plan_segments(
+    batch: int,
+    length: int,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> tuple[Segments, Tensor]:
+    """The segments of a batch and the position ids to run it with.
+
+    attention_mask [B, T] (1 = real token) or None (all real); position_ids [B, T] / [1, T] or
+    None. Without position ids each row's real tokens must be one contiguous run (left or right
+    padding) and positions count from its first real token, so left padding does not shift
+    RoPE. With position ids (packing) a sequence starts wherever a position is not the previous
+    one plus 1, and the given positions are used as they are. Returns (segments, position_ids
+    [B, T] int64 on the mask's or ids' device).
+    """
+    device = (
+        attention_mask.device
+        if attention_mask is not None
+        else (position_ids.device if position_ids is not None else torch.device("cpu"))
+    )
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+            raise InvariantNumericsError(
+                f"attention_mask must be a [batch, seq] padding mask of shape "
+                f"{[batch, length]}, got {list(attention_mask.shape)}"
+            )
+        real = attention_mask.detach().to("cpu", torch.bool)  # [B, T]
+    else:
+        real = torch.ones(batch, length, dtype=torch.bool)
+    prev_real = torch.cat([torch.zeros(batch, 1, dtype=torch.bool), real[:, :-1]], dim=1)
+    if position_ids is None:
+        starts = real & ~prev_real  # [B, T]
+        if bool((starts.sum(dim=1) > 1).any()):
+            raise InvariantNumericsError(
+                "an attention_mask row holds more than one run of real tokens: pass "
+                "position_ids (restarting at 0 per sequence) for packed sequences"
+            )
+        positions = (real.long().cumsum(dim=1) - 1).clamp_min(0) * real  # [B, T]
+    else:
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None, :]
+        positions = position_ids.detach().to("cpu", torch.int64).expand(batch, length)
+        prev = torch.cat([positions[:, :1] - 1, positions[:, :-1]], dim=1)
+        starts = real & (~prev_real | (positions != prev + 1))
+    # A sequence ends where the next token is padding, starts another sequence, or is missing.
+    next_breaks = torch.cat([starts[:, 1:] | ~real[:, 1:], torch.ones(batch, 1, dtype=torch.bool)], 1)
+    ends = real & next_breaks
+    start_idx = starts.nonzero().tolist()  # row-major: (b, t) in order
+    end_idx = ends.nonzero().tolist()
+    rows = tuple((b, s, e + 1) for (b, s), (_, e) in zip(start_idx, end_idx, strict=True))
+    out_pos = position_ids if position_ids is not None else positions
+    return Segments(rows=rows, batch=batch, length=length), out_pos.to(device, torch.int64)
+
+
+def _segment_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    dropout: float,
+) -> Tensor:
+    """One sequence: q [1, H, L, D], k/v [1, Hkv, L, D] → [1, H, L, D]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads != heads:  # grouped-query attention: the same expansion as HF's repeat_kv
+        rep = heads // kv_heads
+        k = k[:, :, None].expand(1, kv_heads, rep, *k.shape[2:]).reshape(1, heads, *k.shape[2:])
+        v = v[:, :, None].expand(1, kv_heads, rep, *v.shape[2:]).reshape(1, heads, *v.shape[2:])
+    length = q.shape[2]
+    windowed = sliding_window is not None and sliding_window < length
+    if softcap is None and dropout == 0.0:
+        if not windowed:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_causal_mask(length, sliding_window, q.device), scale=scaling
+        )
+    weights = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, L, L]
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    mask = _causal_mask(length, sliding_window if windowed else None, q.device)
+    weights = weights.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, v)
+
+
+def _causal_mask(length: int, window: int | None, device: torch.device) -> Tensor:
+    """[L, L] bool, True where query i may see key j: j ≤ i (and i − j < window)."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask = mask & (i - j < window)
+    return mask
+
+
+def invariant_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """HF attention-interface function; see the module docstring."""
+    segments = kwargs.get(SEGMENTS_KWARG)
+    name = type(module).__name__
+    if not isinstance(segments, Segments):
+        raise InvariantNumericsError(
+            f"{name}: the model did not pass oldlogit's segment plan to its attention function; "
+            "call the model itself (not a submodule) under trainer_numerics"
+        )
+    if not getattr(module, "is_causal", True):
+        raise InvariantNumericsError(f"{name}: only causal attention is supported")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise InvariantNumericsError(f"{name}: attention sinks are not supported")
+    if key.shape[2] != query.shape[2]:
+        raise InvariantNumericsError(f"{name}: a KV cache is not supported (use_cache=False)")
+    batch, heads, length, head_dim = query.shape
+    if (segments.batch, segments.length) != (batch, length):
+        raise InvariantNumericsError(
+            f"{name}: the segment plan is for [{segments.batch}, {segments.length}], "
+            f"the attention got [{batch}, {length}]"
+        )
+    scale = float(scaling) if scaling is not None else head_dim**-0.5
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    p = float(dropout) if module.training else 0.0
+    out = query.new_zeros(batch, length, heads, head_dim)  # [B, T, H, D]; padding rows stay 0
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        for b, s, e in segments.rows:
+            seg = _segment_attention(
+                query[b : b + 1, :, s:e].contiguous(),
+                key[b : b + 1, :, s:e].contiguous(),
+                value[b : b + 1, :, s:e].contiguous(),
+                scaling=scale,
+                sliding_window=int(window) if window is not None else None,
+                softcap=float(softcap) if softcap is not None else None,
+                dropout=p,
+            )  # [1, H, L, D]
+            out[b, s:e] = seg[0].transpose(0, 1)
+    finally:
+        _local.depth -= 1
+    return out, None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``ATTENTION_NAME`` an attention implementation transformers knows (idempotent).
+
+    No mask function is registered on purpose: transformers then builds no [B, 1, T, T] mask
+    for this implementation, and the segment plan says everything the mask would.
+    """
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, invariant_attention)
+    _registered = True

@@ -1,0 +1,265 @@
+"""Per-token processed logprobs: the one pipeline a trainer and the service both run.
+
+In: an HF causal LM (under ``trainer_numerics`` or plain) and token ids. Out: float32
+logprobs of each token given its prefix, after the sampler's processing: logits → float32 →
+÷ temperature → top-k → top-p (renormalised) → log_softmax → gather. ``token_logprobs`` is
+the trainer's call (autograd on, [B, T] aligned with the input); ``decoder_hidden`` and
+``head_logits`` split the same forward for the service, which runs the decoder once and the
+model's own head path on the scored rows only, a bounded number at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ._spec import SamplingParams
+from .attention import plan_segments
+from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
+
+__all__ = ["PROCESS_ROWS", "decoder_hidden", "head_logits", "processed_logprobs", "token_logprobs"]
+
+# Rows per slice of the float32 processing stage: bounds [rows, V] float32 temporaries (the
+# top-p sort holds several of them). Processing is row-wise, so the slice size is not numerics.
+PROCESS_ROWS = 64
+
+
+def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:
+    """Logprob of ``targets`` under the processed distribution of each row.
+
+    logits_rows: [S, V] any float dtype; targets: [S] int64 on the same device → [S] float32.
+    Steps (each row-independent): float32 → / temperature → top-k (ties at the k-th value kept)
+    → top-p (keep a token iff the probability mass strictly before it in the stable descending
+    order is < top_p, so the top token is always kept) → log_softmax → gather. A target outside
+    the kept support gets −inf, never NaN. Differentiable; PROCESS_ROWS rows at a time.
+    """
+    if not sampling.temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {sampling.temperature}")
+    if logits_rows.dim() != 2 or targets.dim() != 1 or logits_rows.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"expected logits [S, V] and targets [S], got {list(logits_rows.shape)} and "
+            f"{list(targets.shape)}"
+        )
+    parts = [
+        _processed_rows(logits_rows[s : s + PROCESS_ROWS], targets[s : s + PROCESS_ROWS], sampling)
+        for s in range(0, targets.shape[0], PROCESS_ROWS)
+    ]
+    if not parts:
+        return logits_rows.new_empty(0, dtype=torch.float32)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _processed_rows(logits: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:
+    vocab = logits.shape[-1]
+    x = logits.float() / sampling.temperature  # [s, V]; dividing by 1.0 is exact
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]  # [s, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        probs = torch.softmax(x, dim=-1)  # [s, V]; zero where top-k removed a token
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        # Exclusive prefix sum: the mass strictly before each token in the sorted order.
+        cumulative = torch.cumsum(sorted_probs, dim=-1)  # [s, V]
+        before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+        keep_sorted = before < sampling.top_p
+        keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [s, V]
+        x = x.masked_fill(~keep, float("-inf"))
+    logprobs = torch.log_softmax(x, dim=-1)  # [s, V]
+    return logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [s]
+
+
+def _sampling(temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return SamplingParams(float(temperature), int(top_k), float(top_p))
+
+
+def _call(
+    model: nn.Module,
+    weights: Mapping[str, Tensor] | None,
+    lm_head_fp32: bool | None,
+    kwargs: dict[str, Any],
+) -> Any:
+    """One model call: patched or plain, with ``weights`` substituted when given."""
+
+    def run() -> Any:
+        if weights is None:
+            return model(**kwargs)
+        return functional_call(model, dict(weights), args=(), kwargs=kwargs)
+
+    patch = active_patch(model)
+    if patch is None:
+        return run_plain(model, bool(lm_head_fp32), run)
+    token = head_fp32_override(lm_head_fp32)
+    try:
+        return run()
+    finally:
+        token.var.reset(token)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    lm_head_fp32: bool | None = None,
+    logits_to_keep: int | None = None,
+    weights: Mapping[str, Tensor] | None = None,
+) -> Tensor:
+    """Per-token processed logprobs with autograd: [B, T] aligned with ``input_ids``.
+
+    Entry [b, t] is log p(input_ids[b, t] | its sequence's tokens before t); it is 0 where
+    there is no such prefix (a sequence's first token, padding), so masked losses stay finite,
+    and −inf for a token outside the top-k/top-p support. With ``logits_to_keep=K`` only the
+    last K tokens are scored (TRL's completion layout) and the result is [B, K].
+    ``lm_head_fp32`` defaults to the patch's setting (plain model: off). ``weights`` runs the
+    model with these tensors instead of its own (``torch.func.functional_call``).
+    Under ``trainer_numerics`` the values are bitwise equal to the service's answer for the
+    same sequence, whatever the batch, padding side or packing.
+    """
+    sampling = _sampling(temperature, top_k, top_p)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got {list(input_ids.shape)}")
+    batch, length = int(input_ids.shape[0]), int(input_ids.shape[1])
+    if logits_to_keep is not None and not 0 < logits_to_keep < length:
+        raise ValueError(f"logits_to_keep must be in [1, {length - 1}], got {logits_to_keep}")
+    segments, _ = plan_segments(batch, length, attention_mask, position_ids)
+    scored = torch.zeros(batch, length, dtype=torch.bool)  # [B, T]: has a prefix in its sequence
+    for b, s, e in segments.rows:
+        scored[b, s + 1 : e] = True
+    first = 1 if logits_to_keep is None else length - logits_to_keep
+    rows = length if logits_to_keep is None else logits_to_keep + 1
+    out = _call(
+        model,
+        weights,
+        lm_head_fp32,
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "logits_to_keep": 0 if logits_to_keep is None else rows,
+            "use_cache": False,
+        },
+    )
+    logits = out.logits if hasattr(out, "logits") else out[0]  # [B, rows, V]
+    # Logits row r is position length - rows + r and predicts the token after it.
+    lo = first - 1 - (length - rows)
+    pred = logits[:, lo : lo + (length - first), :]  # [B, Q, V] for targets [first, length)
+    mask = scored[:, first:].reshape(-1).to(input_ids.device)  # [B * Q]
+    flat_idx = mask.nonzero().squeeze(-1)  # [S]
+    vocab = pred.shape[-1]
+    picked = pred.reshape(-1, vocab).index_select(0, flat_idx)  # [S, V]
+    targets = input_ids[:, first:].reshape(-1).index_select(0, flat_idx)  # [S]
+    lp = processed_logprobs(picked, targets.long(), sampling)  # [S] float32
+    flat = torch.zeros(mask.shape[0], dtype=torch.float32, device=lp.device)
+    flat = flat.index_put((flat_idx,), lp)
+    result = flat.view(batch, length - first)  # columns: positions [first, length)
+    if logits_to_keep is None:  # aligned with input_ids: position 0 has no prefix
+        result = torch.cat([result.new_zeros(batch, 1), result], dim=1)
+    return result
+
+
+# ---------------------------------------------------------------------------- service split
+
+_head_locks: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_head_locks_guard = threading.Lock()
+
+
+def decoder_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    *,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    weights: Mapping[str, Tensor] | None = None,
+) -> Tensor:
+    """The final hidden states [B, T, H] of the model's own forward (no logits computed).
+
+    The model is called as a whole (so a patch plans segments and positions), with an empty
+    ``logits_to_keep``; a hook on ``get_decoder()`` keeps its ``last_hidden_state``.
+    """
+    core = unwrap_model(model)
+    decoder = core.get_decoder()  # type: ignore[operator]
+    captured: list[Tensor] = []
+
+    def hook(_m: nn.Module, _a: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = decoder.register_forward_hook(hook)
+    try:
+        _call(
+            model,
+            weights,
+            None,
+            {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "position_ids": position_ids,
+                "logits_to_keep": torch.empty(0, dtype=torch.long, device=input_ids.device),
+                "use_cache": False,
+            },
+        )
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"expected one decoder call, saw {len(captured)}")
+    return captured[0]
+
+
+def head_logits(
+    model: nn.Module,
+    hidden: Tensor,
+    *,
+    weights: Mapping[str, Tensor] | None = None,
+    lm_head_fp32: bool | None = None,
+) -> Tensor:
+    """The model's own head path on given rows: hidden [B, n, H] → logits [B, n, V].
+
+    Runs the causal LM's forward with its decoder answering ``hidden``, so whatever the model
+    does after the decoder (lm_head, logit soft-capping, logit scaling) is applied. Under the
+    invariant numerics a row's logits do not depend on which other rows are passed. Calls on
+    one model are serialised (the decoder is swapped for the call).
+    """
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    core = unwrap_model(model)
+    decoder = core.get_decoder()  # type: ignore[operator]
+    with _head_locks_guard:
+        lock = _head_locks.setdefault(core, threading.Lock())
+    dummy = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.long, device=hidden.device)
+
+    def answer(*_a: Any, **_k: Any) -> Any:
+        return MoeModelOutputWithPast(last_hidden_state=hidden)
+
+    with lock:
+        had = "forward" in decoder.__dict__
+        old: Callable[..., Any] | None = decoder.__dict__.get("forward")
+        decoder.forward = answer
+        try:
+            out = _call(
+                model,
+                weights,
+                lm_head_fp32,
+                {"input_ids": dummy, "logits_to_keep": 0, "use_cache": False},
+            )
+        finally:
+            if had:
+                decoder.forward = old
+            else:
+                del decoder.forward
+    logits: Tensor = out.logits if hasattr(out, "logits") else out[0]
+    return logits

@@ -1,0 +1,106 @@
+"""Fixed-shape row tiles for every matmul: a row's bits never depend on the other rows.
+
+In: rows x [..., K] and a weight [N, K] (the ``F.linear`` convention). Out: x @ Wᵀ (+ b)
+[..., N], computed by cutting the rows into tiles of exactly ``tile_rows`` rows (the last one
+zero-padded) and running one GEMM shape on every tile. A GEMM kernel is picked by its shape,
+so one shape means one kernel and one reduction order: a row gets the same bits whatever the
+number of rows, its place in its tile, or what the other rows hold. A plain ``F.linear`` does
+not have that property (CPU kernels are picked by the row count; measured in
+tests/unit/test_tiles.py).
+
+How the tiles run depends on (device, dtype) only, never on the number of rows:
+- CPU float32: one ``bmm`` over a [tiles, T, K] view and a stride-0 view of the weight;
+- CPU bfloat16/float16: one ``mm`` per tile into a preallocated output (``bmm`` in bf16 is
+  several times slower than ``mm`` on CPU);
+- CUDA: one ``mm`` per tile (one cuBLAS shape; a batched call's kernel may depend on the
+  batch count).
+The backward is tiled the same way for the input gradient; the weight gradient is one 2-D GEMM
+over all rows (a reduction over the batch by definition), so no per-tile weight gradients exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ._spec import DEFAULT_TILE_ROWS
+
+__all__ = ["TileStrategy", "tile_strategy", "tiled_linear", "tiled_mm"]
+
+TileStrategy = Literal["bmm", "loop"]
+
+
+def tile_strategy(device: torch.device, dtype: torch.dtype) -> TileStrategy:
+    """How tiles run on ``device`` for ``dtype``; see the module docstring."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return "bmm"
+    return "loop"
+
+
+def tiled_mm(x: Tensor, weight: Tensor, tile_rows: int = DEFAULT_TILE_ROWS) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ → [M, N] through tiles of ``tile_rows`` rows (no autograd)."""
+    if tile_rows <= 0:
+        raise ValueError(f"tile_rows must be positive, got {tile_rows}")
+    m, k = x.shape
+    n_out = weight.shape[0]
+    if m == 0:
+        return x.new_empty(0, n_out)
+    tiles = -(-m // tile_rows)
+    rows = tiles * tile_rows
+    if rows == m:
+        padded = x.contiguous()  # [rows, K]
+    else:
+        padded = x.new_zeros(rows, k)  # [rows, K], zero rows past M
+        padded[:m] = x
+    w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
+    if tile_strategy(x.device, x.dtype) == "bmm":
+        out = torch.bmm(padded.view(tiles, tile_rows, k), w_t.unsqueeze(0).expand(tiles, k, n_out))
+        return out.view(rows, n_out)[:m]  # [M, N]
+    out = x.new_empty(rows, n_out)  # [rows, N]
+    for start in range(0, rows, tile_rows):
+        torch.mm(padded[start : start + tile_rows], w_t, out=out[start : start + tile_rows])
+    return out[:m]
+
+
+class _TiledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, tile_rows: int
+    ) -> Tensor:
+        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        y = tiled_mm(x2d, weight, tile_rows)  # [M, N]
+        if bias is not None:
+            y = y + bias  # after the GEMM on every path: elementwise, row-invariant
+        ctx.save_for_backward(x2d, weight)
+        ctx.tile_rows = tile_rows
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x2d, weight = ctx.saved_tensors
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])  # [M, N]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dL/dx = g @ W: row-wise, so tiled like the forward (its rows stay invariant).
+            grad_x = tiled_mm(g2d, weight.t(), ctx.tile_rows).reshape(
+                *grad_out.shape[:-1], x2d.shape[-1]
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w = g2d.t().mm(x2d)  # [N, K]: one GEMM over all rows
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2d.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def tiled_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tile_rows: int = DEFAULT_TILE_ROWS
+) -> Tensor:
+    """``F.linear`` through fixed-shape tiles: x [..., K], weight [N, K], bias [N] → [..., N].
+
+    Differentiable: the input gradient is tiled too, the weight gradient is one GEMM.
+    """
+    out: Tensor = _TiledLinear.apply(x, weight, bias, tile_rows)
+    return out

@@ -15,6 +15,8 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
+from oldlogit.parity._spec import NumericsSpec
+
 __all__ = [
     "FloatArray",
     "Info",
@@ -268,3 +270,24 @@ class Info(_Model):
     versions: list[int] = Field(default_factory=list)
     watermark: int | None = None
     server_version: str = ""
+    # The numerics besides dtype and device (README "Exactness contract"): the profile
+    # ("invariant" or "hf"), rows per GEMM tile (invariant only), CPU intra-op threads (0 on
+    # CUDA), the fp32 head switch and the attention kernel.
+    numerics: str = "hf"
+    tile_rows: int | None = None
+    threads: int = 0
+    lm_head_fp32: bool = False
+    attention: str = ""
+
+    def numerics_spec(self) -> NumericsSpec:
+        """These numerics as ``oldlogit.parity.NumericsSpec``: pass it as
+        ``trainer_numerics(model, like=...)`` to run a trainer with the very same numerics."""
+        return NumericsSpec(
+            profile="invariant" if self.numerics == "invariant" else "hf",
+            dtype=self.dtype,
+            device_kind=self.device.split(":")[0],
+            tile_rows=self.tile_rows,
+            threads=self.threads,
+            lm_head_fp32=self.lm_head_fp32,
+            attention=self.attention,
+        )

@@ -40,6 +40,15 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("--mode", {"choices": ["deterministic", "fast"]}),
+    (
+        "--numerics",
+        {
+            "choices": ["invariant", "hf"],
+            "help": "invariant (default): the batch-invariant forward trainers get from "
+            "oldlogit.parity; hf: the unpatched transformers forward of each sequence alone",
+        },
+    ),
+    ("--tile-rows", {"type": int, "help": "rows per GEMM tile of the invariant numerics (64)"}),
     ("--device-budget-gib", {"type": float}),
     ("--host-budget-gib", {"type": float}),
     ("--disk-budget-gib", {"type": float}),

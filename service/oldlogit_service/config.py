@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from oldlogit.parity import DEFAULT_TILE_ROWS
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -33,6 +35,10 @@ class Settings(BaseSettings):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     lm_head_fp32: bool = False
     mode: Literal["deterministic", "fast"] = "deterministic"
+    # invariant: one batch-invariant forward shared with trainers (oldlogit.parity), packed
+    # batches; hf: the unpatched transformers forward of each sequence alone.
+    numerics: Literal["invariant", "hf"] = "invariant"
+    tile_rows: int = Field(DEFAULT_TILE_ROWS, ge=1, le=4096)  # rows per GEMM tile (invariant)
     # Retention.
     device_budget_gib: float = Field(4.0, gt=0)
     host_budget_gib: float = Field(8.0, ge=0)

@@ -4,26 +4,27 @@ A job is a token sequence, the sorted positions to score and the sampling settin
 for position p is log p(token_ids[p] | token_ids[:p]). Knows nothing of versions, requests,
 queues or the wire, and never imports asyncio, pydantic, HTTP, gRPC or Redis.
 
-Modes:
-- ``deterministic`` (default) is bitwise equal to ``reference_logprobs`` whatever else is in the
-  call: each distinct sequence gets its own unpadded batch-1 forward (batching forwards changes
-  the numerics — measured), then the head runs on the same fixed row chunks as the reference
-  (``numerics.head_chunk_bounds``) but only on chunks holding a scored row, and only the scored
-  rows of a chunk are cast to float32 and processed (row-wise ops, proven in tests).
-  Jobs with identical token_ids share one forward: the same computation, so the same bits.
-- ``fast`` pads sequences of similar length into [B, T_max] forwards (right padding, attention
-  mask, ≤ ``max_batch_tokens`` padded tokens each) and runs the head over only the gathered
-  scored rows. Max |fast − reference| measured on the tiny test models (qwen2/llama, tied and
-  untied, 3 seeds, CPU with 2 threads, random sequences of 2–300 tokens, temperature 1 and 0.7,
-  with and without the fp32 head): 8.6e-6 in float32 and 0.081 in bfloat16 (padding changes
-  the attention kernel's reductions; in bf16 a last-bit change in a hidden state moves a logit
-  by up to a bf16 ulp). ``measure_fast_mode_deviation`` measures it for the deployed model.
+How a batch runs depends on the model's numerics profile (``LoadedModel.profile``):
+- ``invariant`` (default): the distinct sequences are packed into one [1, N] row per forward
+  (≤ ``max_batch_tokens`` tokens, positions restarting at 0 per sequence), the decoder runs
+  once under ``oldlogit.parity``'s batch-invariant numerics, and the model's own head path runs
+  on the scored rows only, a bounded number at a time. Fixed-shape tiles and per-sequence
+  attention make every row's bits independent of what else is packed, so the answer is bitwise
+  equal to ``reference_logprobs`` (the sequence alone) — and to a trainer under
+  ``trainer_numerics``.
+- ``hf``: the unpatched transformers forward, which is not batch-invariant: ``deterministic``
+  gives each distinct sequence its own unpadded batch-1 forward and runs the head on the
+  reference's fixed row chunks (``numerics.head_chunk_bounds``), only where a row is scored;
+  ``fast`` pads sequences of similar length into [B, T_max] forwards and is off by up to a few
+  ulps (``measure_fast_mode_deviation``).
+Jobs with identical token_ids share one forward: the same computation, so the same bits.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from oldlogit.errors import OutOfMemory
+from oldlogit.parity import decoder_hidden, head_logits
 
 from .model import LoadedModel
 from .numerics import (
@@ -45,12 +47,27 @@ from .numerics import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineMode", "Job", "SamplingParams", "measure_fast_mode_deviation"]
+__all__ = [
+    "Engine",
+    "EngineMode",
+    "Job",
+    "NumericsCheckFailed",
+    "SamplingParams",
+    "measure_fast_mode_deviation",
+    "self_check",
+]
 
 EngineMode = Literal["deterministic", "fast"]
 
-# Fast mode: scored rows per head GEMM; bounds the [rows, V] logits alive at once.
-FAST_HEAD_ROWS = 1024
+# Scored rows per head call of the packed and padded paths: bounds the [rows, V] logits alive at
+# once (with their float32 copy). Not numerics: under tiles a row's logits do not depend on
+# which rows share the call, and the padded path makes no bitwise promise.
+HEAD_LOGITS_BYTES = 256 * 1024**2
+
+
+class NumericsCheckFailed(RuntimeError):
+    """A packed batch differs from the same sequences run alone: the invariant profile cannot
+    be promised on this platform (raised by ``self_check`` at start-up)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,7 @@ class Engine:
         self.lm_head_fp32 = lm_head_fp32
         self.head_chunk_rows = head_chunk_rows
         self.max_batch_tokens = max_batch_tokens
+        self.head_rows = max(1, HEAD_LOGITS_BYTES // (4 * max(1, model.vocab_size)))
         self._warned_weights_device = False
 
     @property
@@ -106,7 +124,9 @@ class Engine:
         with _map_oom(), torch.inference_mode():
             weights = self._on_device(weights)
             groups = _group_by_sequence(jobs)
-            if self.mode == "deterministic":
+            if self.model.profile == "invariant":
+                outs = self._run_packed(weights, jobs, groups)
+            elif self.mode == "deterministic":
                 outs = self._run_deterministic(weights, jobs, groups)
             else:
                 outs = self._run_fast(weights, jobs, groups)
@@ -114,6 +134,73 @@ class Engine:
             # One device → host copy per call.
             flat = torch.cat(outs).cpu() if outs else torch.empty(0, dtype=torch.float32)
             return list(torch.split(flat, sizes))
+
+    # ----------------------------------------------------------------- invariant: packed
+
+    def _run_packed(
+        self, weights: Mapping[str, Tensor], jobs: Sequence[Job], groups: list[_Group]
+    ) -> list[Tensor]:
+        device = self.model.device
+        module = self.model.module
+        outs: list[Tensor] = [torch.empty(0)] * len(jobs)
+        for batch in _token_batches(groups, self.max_batch_tokens):
+            lengths = [int(g.token_ids.shape[0]) for g in batch]
+            ids = torch.cat([g.token_ids for g in batch])  # [N]: the sequences back to back
+            pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])  # [N]
+            ids_dev = ids.to(device, non_blocking=True)
+            hidden = decoder_hidden(
+                module,
+                ids_dev[None, :],
+                position_ids=pos.to(device, non_blocking=True)[None, :],
+                weights=weights,
+            )[0]  # [N, H]
+            starts = [0, *itertools.accumulate(lengths)][:-1]
+
+            def head(rows: Tensor) -> Tensor:
+                # The model's own head path (soft-capping, scaling) on these rows: [w, V].
+                return head_logits(
+                    module, hidden.index_select(0, rows)[None], weights=weights,
+                    lm_head_fp32=self.lm_head_fp32,
+                )[0]
+
+            self._score(jobs, [(g, s) for g, s in zip(batch, starts, strict=True)], ids_dev,
+                        head, outs)
+        return outs
+
+    def _score(
+        self,
+        jobs: Sequence[Job],
+        placed: list[tuple[_Group, int]],
+        ids_flat: Tensor,
+        head: Callable[[Tensor], Tensor],
+        outs: list[Tensor],
+    ) -> None:
+        """Score every job of ``placed`` (group, row offset of its sequence in ``ids_flat``):
+        the head on the scored rows, ``head_rows`` at a time, then the processing per job."""
+        device = ids_flat.device
+        segments: list[tuple[int, int, int]] = []  # (job index, offset, length)
+        flat_rows: list[Tensor] = []
+        offset = 0
+        for g, start in placed:
+            for i in g.job_indices:
+                rows = jobs[i].positions - 1 + start  # hidden row p - 1 predicts token p
+                flat_rows.append(rows)
+                segments.append((i, offset, int(rows.shape[0])))
+                offset += int(rows.shape[0])
+        all_rows = torch.cat(flat_rows).to(device, non_blocking=True)  # [S]
+        all_targets = ids_flat.index_select(0, all_rows + 1)  # [S]
+        result = torch.empty(offset, dtype=torch.float32, device=device)  # [S]
+        for a in range(0, offset, self.head_rows):
+            b_end = min(a + self.head_rows, offset)
+            logits = head(all_rows[a:b_end])  # [w, V]
+            for i, seg_start, seg_len in segments:
+                lo, hi = max(a, seg_start), min(b_end, seg_start + seg_len)
+                if hi > lo:
+                    result[lo:hi] = processed_logprobs(
+                        logits[lo - a : hi - a], all_targets[lo:hi], jobs[i].sampling
+                    )
+        for i, seg_start, seg_len in segments:
+            outs[i] = result[seg_start : seg_start + seg_len]
 
     # ------------------------------------------------------------------------ deterministic
 
@@ -172,35 +259,14 @@ class Engine:
             mask_dev = mask.to(device, non_blocking=True)
             hidden = self.model.hidden_states(weights, ids_dev, mask_dev)  # [B, T_max, H]
             hidden_flat = hidden.reshape(-1, hidden.shape[-1])  # [B * T_max, H]
-            # Flat indices of the scored rows, job after job.
-            segments: list[tuple[int, int, int]] = []  # (job index, offset, length)
-            flat_rows: list[Tensor] = []
-            offset = 0
-            for b, g in enumerate(batch):
-                for i in g.job_indices:
-                    rows = jobs[i].positions - 1 + b * t_max  # [S]
-                    flat_rows.append(rows)
-                    segments.append((i, offset, int(rows.shape[0])))
-                    offset += int(rows.shape[0])
-            all_rows = torch.cat(flat_rows).to(device, non_blocking=True)  # [N]
-            all_targets = ids_dev.reshape(-1).index_select(0, all_rows + 1)  # [N]
-            result = torch.empty(offset, dtype=torch.float32, device=device)  # [N]
-            for a in range(0, offset, FAST_HEAD_ROWS):
-                b_end = min(a + FAST_HEAD_ROWS, offset)
-                logits = head_logits_chunk(
-                    hidden_flat.index_select(0, all_rows[a:b_end]),
-                    head_weight,
-                    head_bias,
-                    self.lm_head_fp32,
+
+            def head(rows: Tensor) -> Tensor:
+                return head_logits_chunk(
+                    hidden_flat.index_select(0, rows), head_weight, head_bias, self.lm_head_fp32
                 )  # [w, V]
-                for i, seg_start, seg_len in segments:
-                    lo, hi = max(a, seg_start), min(b_end, seg_start + seg_len)
-                    if hi > lo:
-                        result[lo:hi] = processed_logprobs(
-                            logits[lo - a : hi - a], all_targets[lo:hi], jobs[i].sampling
-                        )
-            for i, seg_start, seg_len in segments:
-                outs[i] = result[seg_start : seg_start + seg_len]
+
+            placed = [(g, b * t_max) for b, g in enumerate(batch)]
+            self._score(jobs, placed, ids_dev.reshape(-1), head, outs)
         return outs
 
     # ------------------------------------------------------------------------------ helpers
@@ -240,6 +306,22 @@ def _group_by_sequence(jobs: Sequence[Job]) -> list[_Group]:
             groups[key] = _Group(token_ids=ids, job_indices=[])
         groups[key].job_indices.append(i)
     return list(groups.values())
+
+
+def _token_batches(groups: list[_Group], max_batch_tokens: int) -> Iterator[list[_Group]]:
+    """Groups in order, packed back to back while their total length stays within the budget
+    (a longer sequence goes alone)."""
+    batch: list[_Group] = []
+    tokens = 0
+    for g in groups:
+        t = int(g.token_ids.shape[0])
+        if batch and tokens + t > max_batch_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(g)
+        tokens += t
+    if batch:
+        yield batch
 
 
 def _length_batches(groups: list[_Group], max_batch_tokens: int) -> Iterator[list[_Group]]:
@@ -309,3 +391,38 @@ def measure_fast_mode_deviation(
         if diff.numel():
             worst = max(worst, float(diff.max()))  # NaN-free: inputs are finite or −inf
     return worst
+
+
+def self_check(
+    engine: Engine,
+    weights: Mapping[str, Tensor],
+    *,
+    lengths: Sequence[int] = (2, 7, 40, 67, 130),
+    seed: int = 0,
+) -> int:
+    """Score random sequences packed together and each alone; raise ``NumericsCheckFailed``
+    unless every logprob is bitwise equal. Returns the number of logprobs compared.
+
+    The lengths span one, two and three tiles and odd remainders, so both a padded last tile
+    and a row's place in its tile are exercised.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    limit = min(engine.model.max_positions, engine.max_batch_tokens)
+    jobs = []
+    for n in lengths:
+        n = max(2, min(int(n), limit))
+        ids = torch.randint(0, engine.model.vocab_size, (n,), generator=gen, dtype=torch.int64)
+        jobs.append(Job(ids, torch.arange(1, n, dtype=torch.int64)))
+    packed = engine.run(weights, jobs)
+    compared = 0
+    for job, together in zip(jobs, packed, strict=True):
+        (alone,) = engine.run(weights, [job])
+        if not torch.equal(together, alone):
+            diff = (together - alone).abs().nan_to_num(posinf=float("inf"))
+            raise NumericsCheckFailed(
+                f"a packed batch differs from the same sequence run alone (length "
+                f"{int(job.token_ids.shape[0])}, max |Δ| {float(diff.max()):.3g}): the "
+                f"{engine.model.profile!r} numerics are not batch-invariant on this platform"
+            )
+        compared += int(alone.shape[0])
+    return compared

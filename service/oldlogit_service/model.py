@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from oldlogit.errors import WeightsMismatch
+from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
 
 logger = logging.getLogger(__name__)
 
@@ -322,11 +323,28 @@ class LoadedModel:
     nbytes: int  # bytes of one version's weights in the serving dtype
     aliases: dict[str, str]  # tied duplicate name → canonical name (e.g. lm_head.weight)
     buffer_names: frozenset[str]
-    attn_implementation: str | None = None  # e.g. "sdpa": part of the numerics (DESIGN §2)
+    attn_implementation: str | None = None  # e.g. "sdpa": part of the numerics
+    # "invariant": the skeleton is patched once for its lifetime (oldlogit.parity) so that
+    # every forward is batch-invariant; "hf": the unpatched transformers forward.
+    profile: Profile = "hf"
+    tile_rows: int | None = None
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
+
+    def numerics_spec(self, lm_head_fp32: bool) -> NumericsSpec:
+        """What decides this deployment's bits besides weights and tokens (README
+        "Exactness contract"); part of every result-cache key and of ``/v1/info``."""
+        return NumericsSpec(
+            profile=self.profile,
+            dtype=self.dtype_name,
+            device_kind=self.device.type,
+            tile_rows=self.tile_rows,
+            threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
+            lm_head_fp32=lm_head_fp32,
+            attention=self.attn_implementation or "eager",
+        )
 
     def head_dtype_name(self, lm_head_fp32: bool) -> str:
         return "float32" if lm_head_fp32 else self.dtype_name
@@ -347,9 +365,22 @@ def model_from_config(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "auto",
     backend: ModelBackend | None = None,
+    numerics: Profile = "invariant",
+    tile_rows: int = DEFAULT_TILE_ROWS,
 ) -> LoadedModel:
-    """Build the skeleton for ``config`` and describe it (see ``load_model``)."""
+    """Build the skeleton for ``config`` and describe it (see ``load_model``).
+
+    ``numerics="invariant"`` patches the skeleton for good with ``oldlogit.parity``'s
+    batch-invariant forward (``tile_rows`` rows per GEMM tile); it needs a transformers model.
+    """
     backend = backend if backend is not None else TransformersBackend()
+    if numerics not in ("invariant", "hf"):
+        raise ValueError(f"numerics must be 'invariant' or 'hf', got {numerics!r}")
+    if numerics == "invariant" and not isinstance(backend, TransformersBackend):
+        raise ValueError(
+            f"the invariant numerics need a transformers model; {type(backend).__name__} "
+            "serves with numerics='hf'"
+        )
     torch_dtype = dtype_from_name(dtype)
     torch_device = resolve_device(device)
     config = dict(config)
@@ -370,6 +401,10 @@ def model_from_config(
         n: (safetensors_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()
     }
     head_weight, _ = backend.head(module, params)
+    if numerics == "invariant":
+        from oldlogit.parity import patch_numerics
+
+        patch_numerics(module, tile_rows=tile_rows, strict=True)  # for the skeleton's lifetime
     max_positions = next((int(config[k]) for k in _MAX_POSITION_KEYS if k in config), None)
     if max_positions is None:
         logger.warning("config has no max positions; assuming %d", _FALLBACK_MAX_POSITIONS)
@@ -391,6 +426,8 @@ def model_from_config(
         aliases=aliases,
         buffer_names=frozenset(n for n, _ in module.named_buffers()),
         attn_implementation=getattr(getattr(module, "config", None), "_attn_implementation", None),
+        profile=numerics,
+        tile_rows=tile_rows if numerics == "invariant" else None,
     )
 
 
@@ -400,20 +437,25 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "auto",
     backend: ModelBackend | None = None,
+    numerics: Profile = "invariant",
+    tile_rows: int = DEFAULT_TILE_ROWS,
 ) -> LoadedModel:
     """The skeleton for an HF-format directory's config.json (weights are not read here)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: --model needs an HF-format directory")
     config = json.loads(config_path.read_text())
-    loaded = model_from_config(config, dtype=dtype, device=device, backend=backend)
+    loaded = model_from_config(
+        config, dtype=dtype, device=device, backend=backend, numerics=numerics, tile_rows=tile_rows
+    )
     logger.info(
-        "model %s (%s): %d parameters, %s on %s",
+        "model %s (%s): %d parameters, %s on %s, %s numerics",
         loaded.architecture,
         loaded.model_type,
         loaded.num_parameters,
         loaded.dtype_name,
         loaded.device,
+        loaded.profile,
     )
     return loaded
 

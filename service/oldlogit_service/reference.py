@@ -1,9 +1,11 @@
-"""The reference logprobs of DESIGN.md §2: what "exact" means, written to be read.
+"""The reference logprobs: what "exact" means (README "Exactness contract"), written to be read.
 
 In: one version's weights (or one per version) and a whole token sequence; out: float32
-logprobs, NaN where not scored. The whole sequence is forwarded alone, unpadded, batch 1, then
-every fixed head chunk and the shared processing steps. No batching, no shortcuts: the engine
-is tested bitwise against this.
+logprobs, NaN where not scored. The whole sequence is forwarded alone, unpadded, batch 1:
+- ``invariant`` profile: ``oldlogit.parity.token_logprobs`` of the sequence — the very call a
+  trainer makes under ``trainer_numerics``;
+- ``hf`` profile: the unpatched forward, then every fixed head chunk and the shared processing.
+No batching, no shortcuts: the engine is tested bitwise against this.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from torch import Tensor
+
+from oldlogit.parity import token_logprobs
 
 from .model import LoadedModel
 from .numerics import (
@@ -59,6 +63,18 @@ def reference_logprobs(
     device = model.device
     weights = {k: v.to(device) for k, v in weights.items()}
     ids = ids.to(device)
+    if model.profile == "invariant":
+        lp_all = token_logprobs(
+            model.module,
+            ids[None, :],
+            weights=weights,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            lm_head_fp32=lm_head_fp32,
+        )[0]  # [T], 0 at position 0
+        out[1:] = lp_all[1:].cpu().numpy()
+        return out
     hidden = model.hidden_states(weights, ids[None, :], None)[0]  # [T, H]
     head_weight, head_bias = model.head(weights)  # [V, H], [V] | None
     # Hidden row r predicts token r + 1; the last row predicts nothing and is dropped.

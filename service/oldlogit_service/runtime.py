@@ -119,10 +119,11 @@ class Runtime:
             observer=self.metrics,
             strategy=settings.strategy,
         )
-        attn = str(getattr(model.module.config, "_attn_implementation", "eager"))
-        head = "float32" if settings.lm_head_fp32 else settings.dtype
+        self.numerics_spec = model.numerics_spec(settings.lm_head_fp32)
         # Everything besides weights and request that changes the numbers goes in cache keys.
-        self.numerics = f"{settings.dtype}/{attn}/head={head}/{settings.mode}/{model.device.type}"
+        # The invariant profile packs in every mode; hf's fast mode pads (other bits).
+        mode = "packed" if model.profile == "invariant" else settings.mode
+        self.numerics = f"{self.numerics_spec.key}/{mode}"
         self._ready = True
         self._draining = False
         self.metrics.attach_state(self.state)
@@ -520,4 +521,9 @@ class Runtime:
             versions=[int(r.version) for r in self.store.versions()],
             watermark=self.store.watermark,
             server_version=__version__,
+            numerics=self.numerics_spec.profile,
+            tile_rows=self.numerics_spec.tile_rows,
+            threads=self.numerics_spec.threads,
+            lm_head_fp32=self.numerics_spec.lm_head_fp32,
+            attention=self.numerics_spec.attention,
         )

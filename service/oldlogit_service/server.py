@@ -14,6 +14,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,23 +29,27 @@ from oldlogit_service.cache import ResultCache
 from oldlogit_service.cluster import Cluster, default_replica_id
 from oldlogit_service.config import Settings
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
-from oldlogit_service.engine import Engine
+from oldlogit_service.engine import Engine, self_check
 from oldlogit_service.ewma import EwmaProxy
 from oldlogit_service.history import sample_forever
-from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir, resolve_device
+from oldlogit_service.model import (
+    LoadedModel,
+    dtype_from_name,
+    load_model,
+    load_weights,
+    make_tiny_model_dir,
+    resolve_device,
+)
 from oldlogit_service.redis_adapters import RedisResultCache, check_eviction_policy, connect
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 def build_runtime(settings: Settings) -> Runtime:
     """Load the architecture, open the snapshot store, seed version 0 / the demo versions."""
     device = resolve_device(settings.device)
-    dtype = _DTYPES[settings.dtype]
+    dtype = dtype_from_name(settings.dtype)
     if settings.demo:
         # The demo model is seeded, so a restart on the same snapshot dir rebuilds the very
         # same architecture; it lives outside the snapshot dir, which holds only versions.
@@ -54,7 +59,10 @@ def build_runtime(settings: Settings) -> Runtime:
     else:
         assert settings.model is not None
         model_dir = settings.model
-    model = load_model(model_dir, dtype=dtype, device=device)
+    model = load_model(
+        model_dir, dtype=dtype, device=device, numerics=settings.numerics,
+        tile_rows=settings.tile_rows,
+    )
     settings.snapshot_dir.mkdir(parents=True, exist_ok=True)
     clustered = settings.redis_url is not None
     replica_id = settings.replica_id or default_replica_id()
@@ -85,7 +93,14 @@ def build_runtime(settings: Settings) -> Runtime:
             if weights is not None:
                 logger.info("publishing the weights in %s as version 0", model_dir)
                 store.publish(0, weights)
-    engine = Engine(model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
+    engine = Engine(
+        model,
+        mode=settings.mode,
+        lm_head_fp32=settings.lm_head_fp32,
+        max_batch_tokens=settings.max_batch_tokens,
+    )
+    if model.profile == "invariant":
+        _check_numerics(engine, store, model)
     cache: Any = ResultCache(settings.cache_budget_bytes)
     if settings.cache_redis_url is not None:
         # Shared across replicas; its keys hold the weight hash, so no hit crosses a change.
@@ -94,7 +109,10 @@ def build_runtime(settings: Settings) -> Runtime:
     ewma = None
     if settings.ewma_beta is not None:
         # A second skeleton (no parameter memory) and engine: the scheduler's are not shared.
-        proxy_model = load_model(model_dir, dtype=dtype, device=device)
+        proxy_model = load_model(
+            model_dir, dtype=dtype, device=device, numerics=settings.numerics,
+            tile_rows=settings.tile_rows,
+        )
         proxy_engine = Engine(proxy_model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
         ewma = EwmaProxy(
             proxy_model,
@@ -104,6 +122,32 @@ def build_runtime(settings: Settings) -> Runtime:
         )
         ewma.catch_up(store)  # versions published before (or while it was off)
     return Runtime(settings, model, store, engine, cache, ewma=ewma, cluster=cluster)
+
+
+def _check_numerics(engine: Engine, store: SnapshotStore, model: LoadedModel) -> None:
+    """Refuse to start when packed batches are not bitwise equal to single sequences here.
+
+    Runs on the newest retained version (the one most likely to be asked for), or on random
+    weights in the serving dtype when the store holds none yet.
+    """
+    newest = store.newest
+    start = time.perf_counter()
+    if newest is not None:
+        with store.acquire(newest) as weights:
+            compared = self_check(engine, weights)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        weights = {  # every parameter is in the serving dtype (model.param_specs)
+            name: (torch.randn(shape, generator=gen) * 0.05).to(model.device, model.dtype)
+            for name, (_, shape) in model.param_specs.items()
+        }
+        compared = self_check(engine, weights)
+    logger.info(
+        "numerics self-check: %d logprobs packed == alone, bitwise (%s, %.2f s)",
+        compared,
+        model.numerics_spec(engine.lm_head_fp32).key,
+        time.perf_counter() - start,
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

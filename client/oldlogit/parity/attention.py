@@ -7,10 +7,11 @@ run alone; padding rows are zero. Registered with transformers' ``AttentionInter
 ``ATTENTION_NAME``; the plan reaches it as the ``oldlogit_segments`` keyword that HF models pass
 through to their attention function.
 
-Kernel per segment of L tokens: ``scaled_dot_product_attention`` with ``is_causal`` when no
+Kernel per sequence of L tokens: ``scaled_dot_product_attention`` with ``is_causal`` when no
 window is narrower than L and no logit softcap is set; an explicit causal+window mask when a
 sliding window is narrower than L; the eager formula (as HF writes it for Gemma 2) when the
-attention logits are soft-capped or dropout is on.
+attention logits are soft-capped or dropout is on. On CPU, sequences of equal length share one
+SDPA call (each batch element gets the bits it gets alone — measured and checked at start-up).
 """
 
 from __future__ import annotations
@@ -113,13 +114,13 @@ def _segment_attention(
     softcap: float | None,
     dropout: float,
 ) -> Tensor:
-    """One sequence: q [1, H, L, D], k/v [1, Hkv, L, D] → [1, H, L, D]."""
-    heads, kv_heads = q.shape[1], k.shape[1]
+    """n sequences of the same length L: q [n, H, L, D], k/v [n, Hkv, L, D] → [n, H, L, D]."""
+    n, heads, length = q.shape[0], q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
     if kv_heads != heads:  # grouped-query attention: the same expansion as HF's repeat_kv
         rep = heads // kv_heads
-        k = k[:, :, None].expand(1, kv_heads, rep, *k.shape[2:]).reshape(1, heads, *k.shape[2:])
-        v = v[:, :, None].expand(1, kv_heads, rep, *v.shape[2:]).reshape(1, heads, *v.shape[2:])
-    length = q.shape[2]
+        k = k[:, :, None].expand(n, kv_heads, rep, *k.shape[2:]).reshape(n, heads, *k.shape[2:])
+        v = v[:, :, None].expand(n, kv_heads, rep, *v.shape[2:]).reshape(n, heads, *v.shape[2:])
     windowed = sliding_window is not None and sliding_window < length
     if softcap is None and dropout == 0.0:
         if not windowed:
@@ -127,7 +128,7 @@ def _segment_attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=_causal_mask(length, sliding_window, q.device), scale=scaling
         )
-    weights = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, L, L]
+    weights = torch.matmul(q, k.transpose(2, 3)) * scaling  # [n, H, L, L]
     if softcap is not None:
         weights = torch.tanh(weights / softcap) * softcap
     mask = _causal_mask(length, sliding_window if windowed else None, q.device)
@@ -183,19 +184,27 @@ def invariant_attention(
     softcap = kwargs.get("softcap")
     p = float(dropout) if module.training else 0.0
     out = query.new_zeros(batch, length, heads, head_dim)  # [B, T, H, D]; padding rows stay 0
+    params = {
+        "scaling": scale,
+        "sliding_window": int(window) if window is not None else None,
+        "softcap": float(softcap) if softcap is not None else None,
+        "dropout": p,
+    }
+    # Sequences of one length share a kernel call where that is proven bitwise equal to calling
+    # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
+    share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for b, s, e in segments.rows:
+        by_length.setdefault(e - s if share else -len(by_length) - 1, []).append((b, s, e))
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        for b, s, e in segments.rows:
-            seg = _segment_attention(
-                query[b : b + 1, :, s:e].contiguous(),
-                key[b : b + 1, :, s:e].contiguous(),
-                value[b : b + 1, :, s:e].contiguous(),
-                scaling=scale,
-                sliding_window=int(window) if window is not None else None,
-                softcap=float(softcap) if softcap is not None else None,
-                dropout=p,
-            )  # [1, H, L, D]
-            out[b, s:e] = seg[0].transpose(0, 1)
+        for group in by_length.values():
+            q = torch.stack([query[b, :, s:e] for b, s, e in group])  # [n, H, L, D]
+            k = torch.stack([key[b, :, s:e] for b, s, e in group])  # [n, Hkv, L, D]
+            v = torch.stack([value[b, :, s:e] for b, s, e in group])
+            res = _segment_attention(q, k, v, **params)  # type: ignore[arg-type]
+            for j, (b, s, e) in enumerate(group):
+                out[b, s:e] = res[j].transpose(0, 1)  # [L, H, D]
     finally:
         _local.depth -= 1
     return out, None

@@ -807,6 +807,11 @@ class Info(_message.Message):
     VERSIONS_FIELD_NUMBER: _builtins.int
     WATERMARK_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
+    NUMERICS_FIELD_NUMBER: _builtins.int
+    TILE_ROWS_FIELD_NUMBER: _builtins.int
+    THREADS_FIELD_NUMBER: _builtins.int
+    LM_HEAD_FP32_FIELD_NUMBER: _builtins.int
+    ATTENTION_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -831,6 +836,18 @@ class Info(_message.Message):
     """The retention watermark; unset when never set."""
     server_version: _builtins.str
     """The server's package version."""
+    numerics: _builtins.str
+    """Numerics profile: "invariant" (the batch-invariant forward oldlogit.parity gives trainers)
+    or "hf" (the unpatched transformers forward of each sequence alone).
+    """
+    tile_rows: _builtins.int
+    """Rows per GEMM tile of the invariant profile; unset for "hf"."""
+    threads: _builtins.int
+    """CPU intra-op threads (part of the numerics on CPU); 0 on CUDA."""
+    lm_head_fp32: _builtins.bool
+    """True with --lm-head-fp32."""
+    attention: _builtins.str
+    """The attention kernel, e.g. "oldlogit_invariant" or "sdpa"."""
     @_builtins.property
     def limits(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Request limits by name, e.g. "max_batch_tokens"."""
@@ -856,17 +873,26 @@ class Info(_message.Message):
         versions: _abc.Iterable[_builtins.int] | None = ...,
         watermark: _builtins.int | None = ...,
         server_version: _builtins.str = ...,
+        numerics: _builtins.str = ...,
+        tile_rows: _builtins.int | None = ...,
+        threads: _builtins.int = ...,
+        lm_head_fp32: _builtins.bool = ...,
+        attention: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "watermark", b"watermark"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_watermark", b"_watermark", "architecture", b"architecture", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "limits", b"limits", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "server_version", b"server_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "server_version", b"server_version", "threads", b"threads", "tile_rows", b"tile_rows", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015
+    _WhichOneofReturnType__tile_rows: _TypeAlias = _typing.Literal["tile_rows"]  # noqa: Y015
+    _WhichOneofArgType__tile_rows: _TypeAlias = _typing.Literal["_tile_rows", b"_tile_rows"]  # noqa: Y015
     _WhichOneofReturnType__watermark: _TypeAlias = _typing.Literal["watermark"]  # noqa: Y015
     _WhichOneofArgType__watermark: _TypeAlias = _typing.Literal["_watermark", b"_watermark"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__fast_mode_max_abs_deviation) -> _WhichOneofReturnType__fast_mode_max_abs_deviation | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tile_rows) -> _WhichOneofReturnType__tile_rows | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__watermark) -> _WhichOneofReturnType__watermark | None: ...
 

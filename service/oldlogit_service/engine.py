@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from oldlogit.errors import OutOfMemory
-from oldlogit.parity import decoder_hidden, head_logits
+from oldlogit.parity.logprobs import row_logits
 
 from .model import LoadedModel
 from .numerics import (
@@ -141,30 +141,30 @@ class Engine:
         self, weights: Mapping[str, Tensor], jobs: Sequence[Job], groups: list[_Group]
     ) -> list[Tensor]:
         device = self.model.device
-        module = self.model.module
         outs: list[Tensor] = [torch.empty(0)] * len(jobs)
         for batch in _token_batches(groups, self.max_batch_tokens):
             lengths = [int(g.token_ids.shape[0]) for g in batch]
             ids = torch.cat([g.token_ids for g in batch])  # [N]: the sequences back to back
             pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])  # [N]
             ids_dev = ids.to(device, non_blocking=True)
-            hidden = decoder_hidden(
-                module,
-                ids_dev[None, :],
-                position_ids=pos.to(device, non_blocking=True)[None, :],
-                weights=weights,
-            )[0]  # [N, H]
+            pos_dev = pos.to(device, non_blocking=True)
             starts = [0, *itertools.accumulate(lengths)][:-1]
 
-            def head(rows: Tensor) -> Tensor:
-                # The model's own head path (soft-capping, scaling) on these rows: [w, V].
-                return head_logits(
-                    module, hidden.index_select(0, rows)[None], weights=weights,
+            def logits(
+                rows: Tensor, ids_dev: Tensor = ids_dev, pos_dev: Tensor = pos_dev
+            ) -> Iterator[tuple[int, Tensor]]:
+                # One forward; the model's own head path (soft-capping, scaling) on the rows.
+                return row_logits(
+                    self.model.module,
+                    ids_dev[None, :],
+                    rows,
+                    position_ids=pos_dev[None, :],
+                    weights=weights,
                     lm_head_fp32=self.lm_head_fp32,
-                )[0]
+                    max_rows=self.head_rows,
+                )
 
-            self._score(jobs, [(g, s) for g, s in zip(batch, starts, strict=True)], ids_dev,
-                        head, outs)
+            self._score(jobs, list(zip(batch, starts, strict=True)), ids_dev, logits, outs)
         return outs
 
     def _score(
@@ -172,11 +172,12 @@ class Engine:
         jobs: Sequence[Job],
         placed: list[tuple[_Group, int]],
         ids_flat: Tensor,
-        head: Callable[[Tensor], Tensor],
+        logits: Callable[[Tensor], Iterator[tuple[int, Tensor]]],
         outs: list[Tensor],
     ) -> None:
         """Score every job of ``placed`` (group, row offset of its sequence in ``ids_flat``):
-        the head on the scored rows, ``head_rows`` at a time, then the processing per job."""
+        ``logits(rows)`` yields the scored rows' logits chunk by chunk, then each job's
+        processing runs on its rows."""
         device = ids_flat.device
         segments: list[tuple[int, int, int]] = []  # (job index, offset, length)
         flat_rows: list[Tensor] = []
@@ -190,15 +191,23 @@ class Engine:
         all_rows = torch.cat(flat_rows).to(device, non_blocking=True)  # [S]
         all_targets = ids_flat.index_select(0, all_rows + 1)  # [S]
         result = torch.empty(offset, dtype=torch.float32, device=device)  # [S]
-        for a in range(0, offset, self.head_rows):
-            b_end = min(a + self.head_rows, offset)
-            logits = head(all_rows[a:b_end])  # [w, V]
-            for i, seg_start, seg_len in segments:
-                lo, hi = max(a, seg_start), min(b_end, seg_start + seg_len)
-                if hi > lo:
-                    result[lo:hi] = processed_logprobs(
-                        logits[lo - a : hi - a], all_targets[lo:hi], jobs[i].sampling
-                    )
+        # Consecutive jobs with the same sampling are processed as one run of rows (the
+        # processing is row-wise: the same bits either way).
+        runs: list[tuple[SamplingParams, int, int]] = []  # (sampling, start, end) in [0, S)
+        for i, seg_start, seg_len in segments:
+            if runs and runs[-1][0] == jobs[i].sampling and runs[-1][2] == seg_start:
+                runs[-1] = (runs[-1][0], runs[-1][1], seg_start + seg_len)
+            elif seg_len:
+                runs.append((jobs[i].sampling, seg_start, seg_start + seg_len))
+        if offset:
+            for a, chunk in logits(all_rows):  # chunk: [w, V] for rows a .. a + w
+                b_end = a + int(chunk.shape[0])
+                for sampling, run_start, run_end in runs:
+                    lo, hi = max(a, run_start), min(b_end, run_end)
+                    if hi > lo:
+                        result[lo:hi] = processed_logprobs(
+                            chunk[lo - a : hi - a], all_targets[lo:hi], sampling
+                        )
         for i, seg_start, seg_len in segments:
             outs[i] = result[seg_start : seg_start + seg_len]
 
@@ -260,13 +269,15 @@ class Engine:
             hidden = self.model.hidden_states(weights, ids_dev, mask_dev)  # [B, T_max, H]
             hidden_flat = hidden.reshape(-1, hidden.shape[-1])  # [B * T_max, H]
 
-            def head(rows: Tensor) -> Tensor:
-                return head_logits_chunk(
-                    hidden_flat.index_select(0, rows), head_weight, head_bias, self.lm_head_fp32
-                )  # [w, V]
+            def logits(
+                rows: Tensor, hidden_flat: Tensor = hidden_flat
+            ) -> Iterator[tuple[int, Tensor]]:
+                for a in range(0, int(rows.shape[0]), self.head_rows):
+                    picked = hidden_flat.index_select(0, rows[a : a + self.head_rows])
+                    yield a, head_logits_chunk(picked, head_weight, head_bias, self.lm_head_fp32)
 
             placed = [(g, b * t_max) for b, g in enumerate(batch)]
-            self._score(jobs, placed, ids_dev.reshape(-1), head, outs)
+            self._score(jobs, placed, ids_dev.reshape(-1), logits, outs)
         return outs
 
     # ------------------------------------------------------------------------------ helpers

@@ -17,7 +17,7 @@ SDPA call (each batch element gets the bits it gets alone — measured and check
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,26 @@ class Segments:
     rows: tuple[tuple[int, int, int], ...]
     batch: int
     length: int
+    _groups: dict[tuple[bool, str], list[tuple[int, int, Tensor]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def groups(self, share: bool, device: torch.device) -> list[tuple[int, int, Tensor]]:
+        """(count n, length L, token index [n * L] into the flattened [B * T] rows) per kernel
+        call: one call per sequence, or (``share``) one per distinct length. Computed once per
+        forward and reused by every layer."""
+        key = (share, str(device))
+        if key not in self._groups:
+            by_key: dict[int, list[tuple[int, int, int]]] = {}
+            for i, (b, s, e) in enumerate(self.rows):
+                by_key.setdefault(e - s if share else -i - 1, []).append((b, s, e))
+            out = []
+            for group in by_key.values():
+                idx = torch.cat([torch.arange(b * self.length + s, b * self.length + e)
+                                 for b, s, e in group])
+                out.append((len(group), group[0][2] - group[0][1], idx.to(device)))
+            self._groups[key] = out
+        return self._groups[key]
 
 
 def plan_segments(
@@ -193,18 +213,24 @@ def invariant_attention(
     # Sequences of one length share a kernel call where that is proven bitwise equal to calling
     # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
     share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
-    by_length: dict[int, list[tuple[int, int, int]]] = {}
-    for b, s, e in segments.rows:
-        by_length.setdefault(e - s if share else -len(by_length) - 1, []).append((b, s, e))
+    # Token-major views [B*T, heads, D]: a group's tokens are gathered and scattered with one
+    # index each (not one copy per sequence).
+    q_rows = query.transpose(1, 2).reshape(batch * length, heads, head_dim)
+    k_rows = key.transpose(1, 2).reshape(batch * length, key.shape[1], head_dim)
+    v_rows = value.transpose(1, 2).reshape(batch * length, value.shape[1], head_dim)
+    out_rows = out.view(batch * length, heads, head_dim)
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        for group in by_length.values():
-            q = torch.stack([query[b, :, s:e] for b, s, e in group])  # [n, H, L, D]
-            k = torch.stack([key[b, :, s:e] for b, s, e in group])  # [n, Hkv, L, D]
-            v = torch.stack([value[b, :, s:e] for b, s, e in group])
-            res = _segment_attention(q, k, v, **params)  # type: ignore[arg-type]
-            for j, (b, s, e) in enumerate(group):
-                out[b, s:e] = res[j].transpose(0, 1)  # [L, H, D]
+        for n, seg_len, idx in segments.groups(share, query.device):
+
+            def gather(rows: Tensor, idx: Tensor = idx, n: int = n, seg_len: int = seg_len) -> Tensor:
+                picked = rows.index_select(0, idx)  # [n * L, h, D]
+                return picked.view(n, seg_len, *rows.shape[1:]).transpose(1, 2)  # [n, h, L, D]
+
+            res = _segment_attention(
+                gather(q_rows), gather(k_rows), gather(v_rows), **params  # type: ignore[arg-type]
+            )  # [n, H, L, D]
+            out_rows.index_copy_(0, idx, res.transpose(1, 2).reshape(n * seg_len, heads, head_dim))
     finally:
         _local.depth -= 1
     return out, None

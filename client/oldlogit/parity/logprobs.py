@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,14 @@ from ._spec import SamplingParams
 from .attention import plan_segments
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
 
-__all__ = ["PROCESS_ROWS", "decoder_hidden", "head_logits", "processed_logprobs", "token_logprobs"]
+__all__ = [
+    "PROCESS_ROWS",
+    "decoder_hidden",
+    "head_logits",
+    "processed_logprobs",
+    "row_logits",
+    "token_logprobs",
+]
 
 # Rows per slice of the float32 processing stage: bounds [rows, V] float32 temporaries (the
 # top-p sort holds several of them). Processing is row-wise, so the slice size is not numerics.
@@ -263,3 +270,41 @@ def head_logits(
                 del decoder.forward
     logits: Tensor = out.logits if hasattr(out, "logits") else out[0]
     return logits
+
+
+def row_logits(
+    model: nn.Module,
+    input_ids: Tensor,
+    rows: Tensor,
+    *,
+    position_ids: Tensor | None = None,
+    weights: Mapping[str, Tensor] | None = None,
+    lm_head_fp32: bool | None = None,
+    max_rows: int,
+) -> Iterator[tuple[int, Tensor]]:
+    """Logits of chosen rows of one forward, at most ``max_rows`` rows at a time.
+
+    input_ids [1, N] (a packed row), rows [S] int64 (indices into N) → yields (offset into
+    ``rows``, logits [w, V]). When every row fits in one chunk the model runs once with
+    ``logits_to_keep=rows``; otherwise the decoder runs once and the head path per chunk.
+    """
+    count = int(rows.shape[0])
+    if count <= max_rows:
+        out = _call(
+            model,
+            weights,
+            lm_head_fp32,
+            {
+                "input_ids": input_ids,
+                "position_ids": position_ids,
+                "logits_to_keep": rows,
+                "use_cache": False,
+            },
+        )
+        logits = out.logits if hasattr(out, "logits") else out[0]  # [1, S, V]
+        yield 0, logits[0]
+        return
+    hidden = decoder_hidden(model, input_ids, position_ids=position_ids, weights=weights)[0]
+    for a in range(0, count, max_rows):
+        chunk = hidden.index_select(0, rows[a : a + max_rows])[None]  # [1, w, H]
+        yield a, head_logits(model, chunk, weights=weights, lm_head_fp32=lm_head_fp32)[0]

@@ -39,8 +39,14 @@ def tile_strategy(device: torch.device, dtype: torch.dtype) -> TileStrategy:
     return "loop"
 
 
-def tiled_mm(x: Tensor, weight: Tensor, tile_rows: int = DEFAULT_TILE_ROWS) -> Tensor:
-    """x [M, K] @ weight [N, K]ᵀ → [M, N] through tiles of ``tile_rows`` rows (no autograd)."""
+def tiled_mm(
+    x: Tensor, weight: Tensor, tile_rows: int = DEFAULT_TILE_ROWS, bias: Tensor | None = None
+) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) → [M, N] through tiles of ``tile_rows`` rows.
+
+    No autograd. The bias is added by the GEMM itself (``baddbmm``/``addmm``: one pass over
+    the output), the same way on every tile.
+    """
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
     m, k = x.shape
@@ -56,11 +62,20 @@ def tiled_mm(x: Tensor, weight: Tensor, tile_rows: int = DEFAULT_TILE_ROWS) -> T
         padded[:m] = x
     w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
     if tile_strategy(x.device, x.dtype) == "bmm":
-        out = torch.bmm(padded.view(tiles, tile_rows, k), w_t.unsqueeze(0).expand(tiles, k, n_out))
+        a = padded.view(tiles, tile_rows, k)
+        b = w_t.unsqueeze(0).expand(tiles, k, n_out)
+        if bias is None:
+            out = torch.bmm(a, b)
+        else:
+            out = torch.baddbmm(bias.expand(tiles, tile_rows, n_out), a, b)
         return out.view(rows, n_out)[:m]  # [M, N]
     out = x.new_empty(rows, n_out)  # [rows, N]
     for start in range(0, rows, tile_rows):
-        torch.mm(padded[start : start + tile_rows], w_t, out=out[start : start + tile_rows])
+        tile, dest = padded[start : start + tile_rows], out[start : start + tile_rows]
+        if bias is None:
+            torch.mm(tile, w_t, out=dest)
+        else:
+            torch.addmm(bias, tile, w_t, out=dest)
     return out[:m]
 
 
@@ -70,9 +85,7 @@ class _TiledLinear(torch.autograd.Function):
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, tile_rows: int
     ) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
-        y = tiled_mm(x2d, weight, tile_rows)  # [M, N]
-        if bias is not None:
-            y = y + bias  # after the GEMM on every path: elementwise, row-invariant
+        y = tiled_mm(x2d, weight, tile_rows, bias)  # [M, N]
         ctx.save_for_backward(x2d, weight)
         ctx.tile_rows = tile_rows
         ctx.has_bias = bias is not None

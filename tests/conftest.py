@@ -2,7 +2,8 @@
 
 - ``tiny_model_factory(**kwargs) -> Path``: a model directory from ``make_tiny_model_dir``
   (same kwargs → same directory).
-- ``tiny_loaded_factory(dtype="float32", device="cpu", **kwargs) -> (LoadedModel, weights)``.
+- ``tiny_loaded_factory(dtype="float32", device="cpu", numerics="invariant", **kwargs)
+  -> (LoadedModel, weights)``: ``numerics`` is the profile the skeleton is loaded with.
 - ``tiny_model_dir`` / ``tiny_model`` / ``tiny_weights``: the default (qwen2, untied, fp32).
 torch is imported lazily so torch-free client tests stay torch-free. Never mutate the weights.
 """
@@ -56,11 +57,13 @@ def tiny_loaded_factory(tiny_model_factory: Callable[..., Path]) -> Callable[...
 
     cache: dict[tuple[tuple[str, Any], ...], tuple[Any, Any]] = {}
 
-    def load(*, dtype: str = "float32", device: str = "cpu", **kwargs: Any) -> tuple[Any, Any]:
-        key = (("dtype", dtype), ("device", device), *sorted(kwargs.items()))
+    def load(
+        *, dtype: str = "float32", device: str = "cpu", numerics: str = "invariant", **kwargs: Any
+    ) -> tuple[Any, Any]:
+        key = (("dtype", dtype), ("device", device), ("numerics", numerics), *sorted(kwargs.items()))
         if key not in cache:
             model_dir = tiny_model_factory(**kwargs)
-            model = load_model(model_dir, dtype=dtype, device=device)
+            model = load_model(model_dir, dtype=dtype, device=device, numerics=numerics)
             cache[key] = (model, load_weights(model_dir, model))
         return cache[key]
 

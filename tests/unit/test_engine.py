@@ -1,4 +1,7 @@
-"""The engine against the reference: bitwise in deterministic mode, whatever the batch holds."""
+"""The engine against the reference: bitwise in deterministic mode, whatever the batch holds.
+
+Both numerics profiles: ``invariant`` (packed forwards through oldlogit.parity) and ``hf`` (one
+unpadded forward per sequence, the head on fixed chunks)."""
 
 from __future__ import annotations
 
@@ -16,12 +19,14 @@ from oldlogit_service.reference import reference_logprobs
 FAST_BOUND = {"float32": 1e-4, "bfloat16": 0.25}
 
 COMBOS = [
-    (arch, tie, dtype)
+    (arch, tie, dtype, numerics)
     for arch in ("qwen2", "llama")
     for tie in (False, True)
     for dtype in ("float32", "bfloat16")
+    for numerics in ("invariant", "hf")
 ]
-CASES_PER_COMBO = 26  # 8 combos → 208 random batches, each with 1–4 jobs
+# invariant: 8 combos × 26 = 208 random batches (each 1–6 jobs); hf: another 208.
+CASES_PER_COMBO = 26
 
 
 def _random_sampling(rng: np.random.Generator) -> SamplingParams:
@@ -54,12 +59,14 @@ def _random_positions(rng: np.random.Generator, n: int) -> torch.Tensor:
     return torch.from_numpy(pos.astype(np.int64))
 
 
-@pytest.mark.parametrize(("arch", "tie", "dtype"), COMBOS)
+@pytest.mark.parametrize(("arch", "tie", "dtype", "numerics"), COMBOS)
 def test_deterministic_is_bitwise_reference_whatever_the_batch(
-    tiny_loaded_factory, arch, tie, dtype
+    tiny_loaded_factory, arch, tie, dtype, numerics
 ):
-    model, weights = tiny_loaded_factory(arch=arch, tie_word_embeddings=tie, dtype=dtype)
-    rng = np.random.default_rng(COMBOS.index((arch, tie, dtype)))  # reproducible per combo
+    model, weights = tiny_loaded_factory(
+        arch=arch, tie_word_embeddings=tie, dtype=dtype, numerics=numerics
+    )
+    rng = np.random.default_rng(COMBOS.index((arch, tie, dtype, numerics)))  # per combo
     pool: list[torch.Tensor] = []  # sequences reused across batches and inside one batch
     checked = 0
     for case in range(CASES_PER_COMBO):
@@ -67,7 +74,7 @@ def test_deterministic_is_bitwise_reference_whatever_the_batch(
         # The production chunk size most of the time; small ones to cross chunk edges often.
         chunk = int(rng.choice([HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS, 32, 7]))
         jobs = []
-        for _ in range(int(rng.integers(1, 5))):
+        for _ in range(int(rng.integers(1, 7))):
             if pool and rng.random() < 0.3:
                 ids = pool[int(rng.integers(0, len(pool)))]
             else:
@@ -77,6 +84,8 @@ def test_deterministic_is_bitwise_reference_whatever_the_batch(
                 pool.append(ids)
             jobs.append(Job(ids, _random_positions(rng, len(ids)), _random_sampling(rng)))
         engine = Engine(model, lm_head_fp32=lm_head_fp32, head_chunk_rows=chunk)
+        # Small head chunks (invariant profile) so multi-chunk heads are exercised too.
+        engine.head_rows = int(rng.choice([engine.head_rows, 37, 5]))
         outs = engine.run(weights, jobs)
         assert len(outs) == len(jobs)
         for job, out in zip(jobs, outs, strict=True):
@@ -101,15 +110,8 @@ def test_deterministic_is_bitwise_reference_whatever_the_batch(
     assert checked >= CASES_PER_COMBO
 
 
-def test_identical_sequences_share_one_forward(tiny_model, tiny_weights, monkeypatch):
-    calls = []
-    original = tiny_model.backend.hidden_states
-
-    def counting(module, weights, input_ids, attention_mask):
-        calls.append(tuple(input_ids.shape))
-        return original(module, weights, input_ids, attention_mask)
-
-    monkeypatch.setattr(tiny_model.backend, "hidden_states", counting)
+def test_identical_sequences_share_one_forward(tiny_loaded_factory, monkeypatch):
+    """hf: one forward per distinct sequence; invariant: one packed forward of both."""
     a = torch.arange(2, 52, dtype=torch.int64)
     b = torch.arange(5, 25, dtype=torch.int64)
     jobs = [
@@ -117,16 +119,50 @@ def test_identical_sequences_share_one_forward(tiny_model, tiny_weights, monkeyp
         Job(b, torch.tensor([19])),
         Job(a.clone(), torch.tensor([3, 49]), SamplingParams(top_k=5)),
     ]
-    outs = Engine(tiny_model).run(tiny_weights, jobs)
-    assert sorted(calls) == [(1, 20), (1, 50)]
-    assert torch.equal(
-        outs[0], torch.from_numpy(reference_logprobs(tiny_model, tiny_weights, a)[1:4])
+    for numerics, expected in (("hf", [(1, 20), (1, 50)]), ("invariant", [(1, 70)])):
+        model, weights = tiny_loaded_factory(numerics=numerics)
+        calls: list[tuple[int, ...]] = []
+        decoder = model.module.get_decoder()
+        handle = decoder.register_forward_pre_hook(
+            lambda _m, _a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+        try:
+            outs = Engine(model).run(weights, jobs)
+        finally:
+            handle.remove()
+        assert sorted(calls) == expected, numerics
+        assert torch.equal(outs[0], torch.from_numpy(reference_logprobs(model, weights, a)[1:4]))
+        top5 = reference_logprobs(model, weights, a, SamplingParams(top_k=5))
+        assert torch.equal(outs[2], torch.from_numpy(top5[[3, 49]]))
+        ref_b = reference_logprobs(model, weights, b)
+        assert torch.equal(outs[1], torch.from_numpy(ref_b[[19]]))
+
+
+def test_packed_forwards_respect_the_token_budget(tiny_loaded_factory):
+    model, weights = tiny_loaded_factory()
+    rng = np.random.default_rng(3)
+    jobs = []
+    for n in (30, 45, 10, 61, 2, 33):
+        ids = torch.from_numpy(rng.integers(0, model.vocab_size, n).astype(np.int64))
+        jobs.append(Job(ids, torch.arange(1, n)))
+    calls: list[int] = []
+    decoder = model.module.get_decoder()
+    handle = decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(int(kw["input_ids"].shape[1])), with_kwargs=True
     )
-    top5 = reference_logprobs(tiny_model, tiny_weights, a, SamplingParams(top_k=5))
-    assert torch.equal(outs[2], torch.from_numpy(top5[[3, 49]]))
+    try:
+        outs = Engine(model, max_batch_tokens=64).run(weights, jobs)
+    finally:
+        handle.remove()
+    assert calls == [30, 55, 63, 33]  # in order, ≤ 64 tokens each
+    for job, out in zip(jobs, outs, strict=True):
+        ref = reference_logprobs(model, weights, job.token_ids)[job.positions.numpy()]
+        assert np.array_equal(out.numpy(), ref)
 
 
-def test_empty_inputs(tiny_model, tiny_weights):
+@pytest.mark.parametrize("numerics", ["invariant", "hf"])
+def test_empty_inputs(tiny_loaded_factory, numerics):
+    tiny_model, tiny_weights = tiny_loaded_factory(numerics=numerics)
     engine = Engine(tiny_model)
     assert engine.run(tiny_weights, []) == []
     (out,) = engine.run(
@@ -177,7 +213,7 @@ def test_out_of_memory_is_mapped(tiny_model, tiny_weights, monkeypatch, exc):
     def boom(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(tiny_model.backend, "hidden_states", boom)
+    monkeypatch.setattr("oldlogit_service.engine.row_logits", boom)
     with pytest.raises(OutOfMemory) as info:
         Engine(tiny_model).run(tiny_weights, [Job(torch.tensor([1, 2]), torch.tensor([1]))])
     assert info.value.__cause__ is exc
@@ -188,7 +224,7 @@ def test_other_runtime_errors_pass_through(tiny_model, tiny_weights, monkeypatch
     def boom(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(tiny_model.backend, "hidden_states", boom)
+    monkeypatch.setattr("oldlogit_service.engine.row_logits", boom)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         Engine(tiny_model).run(tiny_weights, [Job(torch.tensor([1, 2]), torch.tensor([1]))])
 
@@ -196,7 +232,9 @@ def test_other_runtime_errors_pass_through(tiny_model, tiny_weights, monkeypatch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lm_head_fp32", [False, True])
 def test_fast_mode_within_measured_bound(tiny_loaded_factory, dtype, lm_head_fp32):
-    model, weights = tiny_loaded_factory(arch="llama", tie_word_embeddings=True, dtype=dtype)
+    model, weights = tiny_loaded_factory(
+        arch="llama", tie_word_embeddings=True, dtype=dtype, numerics="hf"
+    )
     worst = measure_fast_mode_deviation(
         model,
         weights,
@@ -209,7 +247,8 @@ def test_fast_mode_within_measured_bound(tiny_loaded_factory, dtype, lm_head_fp3
     assert 0.0 <= worst <= FAST_BOUND[dtype]
 
 
-def test_fast_mode_keeps_job_order_and_positions(tiny_model, tiny_weights):
+def test_fast_mode_keeps_job_order_and_positions(tiny_loaded_factory):
+    tiny_model, tiny_weights = tiny_loaded_factory(numerics="hf")
     rng = np.random.default_rng(8)
     jobs = []
     for n in (300, 3, 120, 3, 57):
@@ -225,8 +264,9 @@ def test_fast_mode_keeps_job_order_and_positions(tiny_model, tiny_weights):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_deterministic_is_bitwise_reference_on_cuda(tiny_loaded_factory, dtype):
-    model, weights = tiny_loaded_factory(dtype=dtype, device="cuda")
+@pytest.mark.parametrize("numerics", ["invariant", "hf"])
+def test_deterministic_is_bitwise_reference_on_cuda(tiny_loaded_factory, dtype, numerics):
+    model, weights = tiny_loaded_factory(dtype=dtype, device="cuda", numerics=numerics)
     weights = {k: v.to(model.device) for k, v in weights.items()}
     rng = np.random.default_rng(9)
     for _ in range(20):

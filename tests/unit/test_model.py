@@ -50,7 +50,7 @@ def test_skeleton_has_no_parameter_memory_and_real_buffers(tiny_model):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_functional_forward_is_bitwise_the_hf_model(tiny_model_factory, tiny_loaded_factory, tie):
-    model, weights = tiny_loaded_factory(arch="qwen2", tie_word_embeddings=tie)
+    model, weights = tiny_loaded_factory(arch="qwen2", tie_word_embeddings=tie, numerics="hf")
     hf = AutoModelForCausalLM.from_pretrained(
         tiny_model_factory(arch="qwen2", tie_word_embeddings=tie), dtype=torch.float32
     ).eval()
@@ -72,7 +72,7 @@ def test_functional_forward_is_bitwise_the_hf_model(tiny_model_factory, tiny_loa
 @pytest.mark.parametrize("tie", [False, True])
 def test_param_specs_and_metadata(tiny_model_factory, dtype, tie):
     model_dir = tiny_model_factory(arch="llama", tie_word_embeddings=tie, vocab_size=300)
-    model = load_model(model_dir, dtype=dtype, device="cpu")
+    model = load_model(model_dir, dtype=dtype, device="cpu", numerics="hf")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf_params = dict(hf.named_parameters())
     assert list(model.param_specs) == list(hf_params)
@@ -86,6 +86,16 @@ def test_param_specs_and_metadata(tiny_model_factory, dtype, tie):
     assert model.max_positions == 2048
     assert model.model_type == "llama" and model.architecture == "LlamaForCausalLM"
     assert model.attn_implementation == hf.config._attn_implementation
+    assert model.profile == "hf" and model.tile_rows is None
+    invariant = load_model(model_dir, dtype=dtype, device="cpu", tile_rows=32)
+    assert invariant.profile == "invariant" and invariant.tile_rows == 32
+    assert invariant.attn_implementation == "oldlogit_invariant"
+    assert invariant.param_specs == model.param_specs
+    spec = invariant.numerics_spec(lm_head_fp32=True)
+    assert (spec.profile, spec.dtype, spec.device_kind, spec.tile_rows) == (
+        "invariant", dtype, "cpu", 32
+    )
+    assert spec.lm_head_fp32 and spec.threads == torch.get_num_threads()
     assert model.dtype == dtype_from_name(dtype) and model.dtype_name == dtype
     assert model.head_dtype_name(True) == "float32" and model.head_dtype_name(False) == dtype
     assert model.num_parameters == sum(p.numel() for p in hf_params.values())
@@ -248,7 +258,9 @@ class _TinyLM(nn.Module):
 def test_callable_backend_plugs_in():
     backend = CallableBackend(_TinyLM, head_weight="out.weight", head_bias="out.bias")
     config = {"vocab_size": 50, "hidden": 16, "max_position_embeddings": 128}
-    model = model_from_config(config, dtype="float32", device="cpu", backend=backend)
+    with pytest.raises(ValueError, match="invariant numerics need a transformers model"):
+        model_from_config(config, dtype="float32", device="cpu", backend=backend)
+    model = model_from_config(config, dtype="float32", device="cpu", backend=backend, numerics="hf")
     assert all(p.device.type == "meta" for p in model.module.parameters())
     assert model.vocab_size == 50 and model.max_positions == 128
     assert set(model.param_specs) == {

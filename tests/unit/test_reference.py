@@ -20,12 +20,14 @@ def _hf_model(model_dir, dtype):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
+@pytest.mark.parametrize("numerics", ["invariant", "hf"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_reference_matches_plain_hf_forward_fp32(
-    tiny_model_factory, tiny_loaded_factory, arch, tie
+    tiny_model_factory, tiny_loaded_factory, arch, tie, numerics
 ):
-    model, weights = tiny_loaded_factory(arch=arch, tie_word_embeddings=tie)
+    """Both profiles compute the model's own function: within float32 rounding of HF's."""
+    model, weights = tiny_loaded_factory(arch=arch, tie_word_embeddings=tie, numerics=numerics)
     hf = _hf_model(tiny_model_factory(arch=arch, tie_word_embeddings=tie), torch.float32)
     gen = torch.Generator().manual_seed(1)
     for n, temperature in [(2, 1.0), (37, 1.0), (300, 1.0), (300, 0.6)]:
@@ -42,7 +44,7 @@ def test_reference_matches_plain_hf_forward_fp32(
 def test_reference_bf16_hidden_states_are_hf_bitwise_and_fp32_head(
     tiny_model_factory, tiny_loaded_factory
 ):
-    model, weights = tiny_loaded_factory(dtype="bfloat16", arch="llama")
+    model, weights = tiny_loaded_factory(dtype="bfloat16", arch="llama", numerics="hf")
     hf = _hf_model(tiny_model_factory(arch="llama"), torch.bfloat16)
     ids = torch.randint(0, model.vocab_size, (120,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -59,7 +61,8 @@ def test_reference_bf16_hidden_states_are_hf_bitwise_and_fp32_head(
     assert not np.array_equal(bf16_head[1:], got[1:])
 
 
-def test_reference_head_chunking_only_moves_last_bits(tiny_model, tiny_weights):
+def test_reference_head_chunking_only_moves_last_bits(tiny_loaded_factory):
+    tiny_model, tiny_weights = tiny_loaded_factory(numerics="hf")
     ids = torch.randint(
         0, tiny_model.vocab_size, (300,), generator=torch.Generator().manual_seed(3)
     )

@@ -5,8 +5,8 @@ In: a transformers ``PreTrainedModel`` (a causal LM; DDP's ``.module`` and ``tor
 segments from its attention mask / position ids (``attention.plan_segments``), runs its own
 forward with positions counted per sequence, the invariant attention and a torch-function mode
 that sends every ``F.linear`` (the head too) through fixed-shape tiles (``tiles.tiled_linear``),
-and refuses any other matmul it cannot vouch for (strict mode). Decoder layers re-enter the mode
-on their own, so gradient-checkpointing recomputation in the backward gets the same numerics.
+and refuses any other matmul it cannot vouch for (strict mode). A decoder layer's activation
+checkpointing recomputes it under the same mode, so the backward sees the forward's numerics.
 On exit (``restore``) the model is exactly as before.
 """
 
@@ -326,18 +326,32 @@ def patch_numerics(
         return _invariant_call(patch, original, args, kwargs)
 
     _set_forward(core, forward)
-    # Decoder layers enter the mode themselves: activation checkpointing recomputes them in
-    # the backward, outside the model's forward.
+    # Activation checkpointing recomputes decoder layers in the backward, outside the model's
+    # forward: the function a layer hands to its checkpoint function re-enters the mode.
     head = core.get_output_embeddings()
     for module in core.modules():
         if module is core or not _is_checkpoint_layer(module):
             continue
-        layer_forward = module.forward
 
-        def layer(*a: Any, _f: Callable[..., Any] = layer_forward, **k: Any) -> Any:
-            fp32 = _HEAD_FP32.get()
-            with _tile_mode(patch, head, patch.lm_head_fp32 if fp32 is None else fp32):
+        def layer(
+            *a: Any, _f: Callable[..., Any] = module.forward, _m: nn.Module = module, **k: Any
+        ) -> Any:
+            ckpt = _m.__dict__.get("_gradient_checkpointing_func")
+            if ckpt is None:
                 return _f(*a, **k)
+
+            def under_numerics(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+                def run(*ra: Any, **rk: Any) -> Any:
+                    with _tile_mode(patch, head, patch.lm_head_fp32):
+                        return fn(*ra, **rk)
+
+                return ckpt(run, *args, **kw)
+
+            _m._gradient_checkpointing_func = under_numerics
+            try:
+                return _f(*a, **k)
+            finally:
+                _m._gradient_checkpointing_func = ckpt
 
         _set_forward(module, layer)
     setattr(core, _PATCH_ATTR, patch)

@@ -1,0 +1,300 @@
+"""``trainer_numerics`` on real transformers models: batch-invariant forward and backward.
+
+A token's logprob under the patch depends only on its own sequence: micro-batch size, padding
+side, packing and ``logits_to_keep`` change no bit. The patched forward is the model's own
+function (close to the plain forward), its gradients match the plain model's, it covers every
+matmul the model runs, and the model is restored on exit. The service side of the same
+contract is tests/integration/test_trainer_parity.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
+
+from oldlogit.parity import (
+    NumericsMismatch,
+    NumericsSpec,
+    UncoveredMatmul,
+    local_spec,
+    token_logprobs,
+    trainer_numerics,
+)
+from oldlogit.parity.attention import ATTENTION_NAME, InvariantNumericsError, plan_segments
+
+VOCAB = 300
+
+
+def _model(arch: str, dtype: torch.dtype, seed: int = 0, **extra: object) -> nn.Module:
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "initializer_range": 0.2,
+        "max_position_embeddings": 1024,
+    }
+    common.update(extra)
+    config = {"qwen2": Qwen2Config, "llama": LlamaConfig, "gemma2": Gemma2Config}[arch](**common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        for p in model.parameters():  # norms and biases get noise too: every weight matters
+            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.data += 0.1 * torch.randn_like(p)
+    return model.to(dtype).eval()
+
+
+def _sequences(rng: np.random.Generator, count: int, lo: int = 2, hi: int = 90) -> list[torch.Tensor]:
+    return [torch.from_numpy(rng.integers(0, VOCAB, int(rng.integers(lo, hi)))) for _ in range(count)]
+
+
+def _padded(seqs: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[i, sl] = s
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def _row(out: torch.Tensor, i: int, n: int, side: str) -> torch.Tensor:
+    width = out.shape[1]
+    return out[i, :n] if side == "right" else out[i, width - n :]
+
+
+def _sampling(rng: np.random.Generator) -> dict[str, float | int]:
+    return {
+        "temperature": float(rng.choice([1.0, 0.7, 1.3])),
+        "top_k": int(rng.choice([0, 0, 5, 50])),
+        "top_p": float(rng.choice([1.0, 1.0, 0.9, 0.5])),
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_micro_batches_padding_and_packing_change_no_bit(arch, dtype):
+    model = _model(arch, dtype, seed=1)
+    rng = np.random.default_rng(7)
+    with trainer_numerics(model, tile_rows=32):
+        for case in range(6):
+            sampling = _sampling(rng)
+            fp32 = bool(case % 2)
+            seqs = _sequences(rng, int(rng.choice([1, 3, 8])))
+            alone = [
+                token_logprobs(model, s[None], lm_head_fp32=fp32, **sampling)[0] for s in seqs
+            ]
+            for side in ("left", "right"):
+                ids, mask = _padded(seqs, side)
+                out = token_logprobs(model, ids, mask, lm_head_fp32=fp32, **sampling)
+                for i, s in enumerate(seqs):
+                    got = _row(out, i, len(s), side)
+                    assert torch.equal(got, alone[i]), (case, side, i)
+                    if side == "left":
+                        assert not _row(out, i, out.shape[1], side)[: out.shape[1] - len(s)].any()
+            # Packed: one row, positions restarting at 0 per sequence.
+            ids = torch.cat(seqs)[None]
+            pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+            out = token_logprobs(model, ids, position_ids=pos, lm_head_fp32=fp32, **sampling)[0]
+            start = 0
+            for i, s in enumerate(seqs):
+                assert torch.equal(out[start : start + len(s)], alone[i]), (case, "packed", i)
+                start += len(s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_to_keep_scores_the_completion_with_the_same_bits(dtype):
+    """TRL's layout: prompts left-padded, completions right-padded, logits for the last K."""
+    model = _model("qwen2", dtype, seed=2)
+    rng = np.random.default_rng(8)
+    prompts = _sequences(rng, 4, 3, 20)
+    completions = _sequences(rng, 4, 2, 30)
+    k = max(len(c) for c in completions)
+    p_ids, p_mask = _padded(prompts, "left")
+    c_ids, c_mask = _padded(completions, "right")
+    ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+    with trainer_numerics(model):
+        # The model's own call with logits_to_keep (what TRL does) gives the same logits rows.
+        full = model(input_ids=ids, attention_mask=mask).logits
+        kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=k + 1).logits
+        assert torch.equal(kept, full[:, -(k + 1) :])
+        out = token_logprobs(model, ids, mask, logits_to_keep=k, temperature=0.7)
+        assert out.shape == (4, k)
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            alone = token_logprobs(model, torch.cat([p, c])[None], temperature=0.7)[0]
+            assert torch.equal(out[i, : len(c)], alone[len(p) :])
+            assert not out[i, len(c) :].any()  # padding: 0, so masked losses stay finite
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_patched_forward_is_the_models_function(arch):
+    """Invariant numerics reorder float sums, nothing else: close to the plain forward."""
+    model = _model(arch, torch.float32, seed=3)
+    rng = np.random.default_rng(9)
+    seqs = _sequences(rng, 5, 2, 200)
+    ids, mask = _padded(seqs, "right")
+    plain = [token_logprobs(model, s[None], temperature=0.8)[0] for s in seqs]
+    with trainer_numerics(model):
+        patched = token_logprobs(model, ids, mask, temperature=0.8)
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(patched[i, : len(s)], plain[i], rtol=0, atol=2e-5)
+
+
+def test_sliding_window_and_softcaps_are_honoured():
+    """Gemma 2 (attention-logit and final-logit soft-capping, sliding window) and Qwen 2 with a
+    narrow sliding window: the invariant attention computes what the eager forward does, and is
+    batch-invariant there too."""
+    rng = np.random.default_rng(10)
+    models = {
+        "gemma2": _model(
+            "gemma2",
+            torch.float32,
+            seed=4,
+            head_dim=16,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            attn_implementation="eager",
+        ),
+        "qwen2": _model(
+            "qwen2",
+            torch.float32,
+            seed=5,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+            attn_implementation="eager",
+        ),
+    }
+    for name, model in models.items():
+        seqs = _sequences(rng, 3, 20, 60)  # longer than the windows
+        plain = [token_logprobs(model, s[None])[0] for s in seqs]
+        with trainer_numerics(model):
+            alone = [token_logprobs(model, s[None])[0] for s in seqs]
+            ids, mask = _padded(seqs, "left")
+            batch = token_logprobs(model, ids, mask)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(alone[i], plain[i], rtol=0, atol=5e-5, msg=name)
+            assert torch.equal(_row(batch, i, len(s), "left"), alone[i]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_matches_the_plain_model(dtype):
+    rng = np.random.default_rng(11)
+    seqs = _sequences(rng, 4, 5, 60)
+    ids, mask = _padded(seqs, "left")
+    adv = torch.from_numpy(rng.standard_normal((4, 1))).float()
+
+    def grads(patched: bool, checkpointing: bool = False) -> dict[str, torch.Tensor]:
+        model = _model("qwen2", dtype, seed=6)
+        if checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            model.train()
+        model.zero_grad()
+        if patched:
+            with trainer_numerics(model):
+                lp = token_logprobs(model, ids, mask, temperature=0.7)
+                (-(lp * adv * mask).sum()).backward()
+        else:
+            lp = token_logprobs(model, ids, mask, temperature=0.7)
+            (-(lp * adv * mask).sum()).backward()
+        return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, patched = grads(False), grads(True)
+    assert plain.keys() == patched.keys() and len(plain) > 10
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: a few ulps of the gradient scale
+    for name in plain:
+        scale = float(plain[name].abs().max()) + 1e-12
+        err = float((patched[name] - plain[name]).abs().max()) / scale
+        assert err <= tol, (name, err)
+    # Activation checkpointing recomputes layers in the backward under the same numerics.
+    recomputed = grads(True, checkpointing=True)
+    for name in patched:
+        assert torch.equal(recomputed[name], patched[name]), name
+
+
+def test_every_matmul_is_covered_or_refused():
+    model = _model("llama", torch.float32, seed=7)
+    ids = torch.randint(0, VOCAB, (2, 17))
+    with trainer_numerics(model):
+        model(input_ids=ids)  # strict: a forward of the supported architectures passes
+    mlp = model.model.layers[0].mlp
+    original = type(mlp).forward
+
+    def uncovered(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.up_proj.weight.t()) @ self.down_proj.weight.t()
+
+    mlp.forward = uncovered.__get__(mlp)  # type: ignore[method-assign]
+    try:
+        with trainer_numerics(model), pytest.raises(UncoveredMatmul, match="matmul"):
+            model(input_ids=ids)
+        with trainer_numerics(model, strict=False):
+            model(input_ids=ids)  # allowed, without the guarantee
+    finally:
+        mlp.forward = original.__get__(mlp)  # type: ignore[method-assign]
+
+
+def test_the_model_is_restored_on_exit():
+    model = _model("qwen2", torch.float32, seed=8)
+    before_impl = model.config._attn_implementation
+    ids = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with trainer_numerics(model):
+            assert model.config._attn_implementation == ATTENTION_NAME
+            assert "forward" in model.__dict__
+            with pytest.raises(RuntimeError, match="already"):
+                with trainer_numerics(model):
+                    pass
+        after = model(input_ids=ids).logits
+    assert model.config._attn_implementation == before_impl
+    assert "forward" not in model.__dict__
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(before, after)
+
+
+def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
+    model = _model("qwen2", torch.bfloat16, seed=9)
+    service = NumericsSpec(
+        profile="invariant",
+        dtype="bfloat16",
+        device_kind="cpu",
+        tile_rows=16,
+        threads=torch.get_num_threads(),
+        lm_head_fp32=True,
+    )
+    with trainer_numerics(model, like=service) as patch:
+        assert patch.tile_rows == 16 and patch.lm_head_fp32
+        assert patch.spec.mismatches(service) == []
+    for change, word in (({"dtype": "float32"}, "dtype"), ({"threads": 99}, "threads")):
+        other = NumericsSpec(**{**service.as_dict(), **change})
+        with pytest.raises(NumericsMismatch, match=word):
+            with trainer_numerics(model, like=other):
+                pass
+    hf = NumericsSpec(**{**service.as_dict(), "profile": "hf", "tile_rows": None})
+    with pytest.raises(NumericsMismatch, match="hf"):
+        with trainer_numerics(model, like=hf):
+            pass
+    assert local_spec(model, profile="hf", tile_rows=None, lm_head_fp32=False).attention
+
+
+def test_segment_plans():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    segs, pos = plan_segments(3, 5, mask, None)
+    assert segs.rows == ((0, 2, 5), (1, 0, 3))
+    assert pos.tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 0, 0], [0, 0, 0, 0, 0]]
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
+    segs, pos = plan_segments(1, 8, None, packed)
+    assert segs.rows == ((0, 0, 3), (0, 3, 5), (0, 5, 6), (0, 6, 8))
+    assert torch.equal(pos, packed)
+    with pytest.raises(InvariantNumericsError, match="position_ids"):
+        plan_segments(1, 5, torch.tensor([[1, 1, 0, 1, 1]]), None)

@@ -1,0 +1,148 @@
+"""Fixed-shape tiles: a row's bits do not depend on the other rows (oldlogit.parity.tiles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from oldlogit.parity import tiled_linear, tiled_mm
+from oldlogit.parity.tiles import tile_strategy
+
+SHAPES = [(8, 3), (64, 48), (256, 768), (512, 1536)]  # (K, N): tiny, small, model-like
+ROW_COUNTS = [1, 2, 7, 63, 64, 65, 130, 641]  # fewer rows than threads, one tile, many tiles
+
+
+def _place(rows: torch.Tensor, target: int, count: int, at: int, seed: int) -> tuple[torch.Tensor, int]:
+    """``count`` rows holding row ``target`` at position ``at`` among random other rows."""
+    gen = torch.Generator().manual_seed(seed)
+    others = torch.randperm(rows.shape[0], generator=gen)
+    others = others[others != target][: count - 1].tolist()
+    at = min(at, len(others))
+    order = [*others[:at], target, *others[at:]]
+    return rows[order], at
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize("tile_rows", [16, 64])
+def test_a_row_gets_the_same_bits_whatever_else_is_tiled(dtype, k, n, tile_rows):
+    gen = torch.Generator().manual_seed(k * n)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    rows = torch.randn(700, k, generator=gen).to(dtype)
+    alone = tiled_mm(rows[5:6], weight, tile_rows)  # [1, N]
+    alone_b = tiled_mm(rows[5:6], weight, tile_rows, bias)
+    for count in ROW_COUNTS:
+        for at in (0, 3, tile_rows - 1, tile_rows + 2, count - 1):
+            x, pos = _place(rows, 5, count, at, seed=count * 31 + at)
+            assert torch.equal(tiled_mm(x, weight, tile_rows)[pos], alone[0]), (count, at)
+            assert torch.equal(tiled_mm(x, weight, tile_rows, bias)[pos], alone_b[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_are_the_same_on_1_2_and_4_threads(dtype):
+    """Measured on the CI machine kind: the tiled GEMMs do not depend on the thread count
+    (the numerics still name the thread count: other CPUs and other ops may)."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(1536, 512, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(300, 512, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            outs.append(tiled_mm(x, weight, 64))
+            outs.append(tiled_mm(x[:3], weight, 64))  # fewer rows than threads
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[0::2])
+    assert all(torch.equal(outs[1], o) for o in outs[1::2])
+    assert torch.equal(outs[1], outs[0][:3])
+
+
+def test_strategy_depends_on_device_and_dtype_only():
+    cpu = torch.device("cpu")
+    assert tile_strategy(cpu, torch.float32) == "bmm"
+    assert tile_strategy(cpu, torch.bfloat16) == "loop"
+    assert tile_strategy(torch.device("cuda"), torch.float32) == "loop"
+
+
+def test_tiled_linear_is_linear():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 50, 64, generator=gen)
+    w = torch.randn(32, 64, generator=gen)
+    b = torch.randn(32, generator=gen)
+    out = tiled_linear(x, w, b, tile_rows=16)
+    assert out.shape == (3, 50, 32)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert tiled_linear(torch.empty(0, 64), w).shape == (0, 32)
+    with pytest.raises(ValueError, match="tile_rows"):
+        tiled_mm(x[0], w, 0)
+
+
+def test_gradients_are_exact_in_float64():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: tiled_linear(x, w, b, tile_rows=4), (x, w, b))
+
+
+def test_input_gradient_rows_are_tiled_and_invariant():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 64, generator=gen, requires_grad=True)
+    x = torch.randn(130, 64, generator=gen)
+    g = torch.randn(130, 48, generator=gen)
+
+    def grad_x(rows: slice) -> torch.Tensor:
+        xi = x[rows].clone().requires_grad_(True)
+        tiled_linear(xi, w, tile_rows=64).backward(g[rows])
+        assert xi.grad is not None
+        return xi.grad
+
+    full = grad_x(slice(0, 130))
+    assert torch.equal(grad_x(slice(70, 71))[0], full[70])
+    assert torch.equal(grad_x(slice(60, 75))[10], full[70])
+
+
+class _Shapes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[str, tuple[int, ...], int]] = []  # (op, shape, storage numel)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage().nbytes() // t.element_size()
+                self.outputs.append((str(func), tuple(t.shape), storage))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_is_one_gemm_without_per_tile_copies(dtype):
+    """The backward never holds a per-tile weight gradient ([tiles, N, K]) nor a per-tile copy
+    of the weight: the weight gradient is one [N, M] @ [M, K] GEMM."""
+    n_out, k, rows, tile = 96, 80, 640, 64
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(n_out, k, generator=gen) * 0.1).to(dtype).requires_grad_(True)
+    x = torch.randn(rows, k, generator=gen).to(dtype).requires_grad_(True)
+    y = tiled_linear(x, w, tile_rows=tile)
+    grad = torch.randn_like(y)
+    with _Shapes() as rec:
+        y.backward(grad)
+    # Nothing holds tiles × N × K elements (a stride-0 view of the weight holds N × K).
+    tiles = rows // tile
+    assert not [o for o in rec.outputs if o[2] >= tiles * n_out * k], rec.outputs
+    weight_sized = [o for o in rec.outputs if o[1] in {(n_out, k), (k, n_out)} and "mm" in o[0]]
+    assert len(weight_sized) == 1, weight_sized
+    assert w.grad is not None and x.grad is not None
+    ref_w = w.detach().float().requires_grad_(True)
+    ref_x = x.detach().float().requires_grad_(True)
+    F.linear(ref_x, ref_w).backward(grad.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(w.grad.float(), ref_w.grad, rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol * 10)

@@ -243,6 +243,20 @@ def test_every_matmul_is_covered_or_refused():
         mlp.forward = original.__get__(mlp)  # type: ignore[method-assign]
 
 
+def test_generation_runs_the_models_own_forward_under_the_patch():
+    """A trainer patched for a whole run still generates (TRL samples with the same model)."""
+    model = _model("qwen2", torch.float32, seed=10)
+    prompt = torch.randint(0, VOCAB, (2, 6))
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # left padding
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    plain = model.generate(input_ids=prompt, attention_mask=mask, **kwargs)
+    with trainer_numerics(model):
+        patched = model.generate(input_ids=prompt, attention_mask=mask, **kwargs)
+        assert model.config._attn_implementation == ATTENTION_NAME  # scoring numerics again
+    assert torch.equal(plain, patched)
+
+
 def test_the_model_is_restored_on_exit():
     model = _model("qwen2", torch.float32, seed=8)
     before_impl = model.config._attn_implementation

@@ -192,7 +192,7 @@ def invariant_attention(
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise InvariantNumericsError(f"{name}: attention sinks are not supported")
     if key.shape[2] != query.shape[2]:
-        raise InvariantNumericsError(f"{name}: a KV cache is not supported (use_cache=False)")
+        raise InvariantNumericsError(f"{name}: a KV cache is not supported in scoring calls")
     batch, heads, length, head_dim = query.shape
     if (segments.batch, segments.length) != (batch, length):
         raise InvariantNumericsError(

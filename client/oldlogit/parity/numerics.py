@@ -7,6 +7,7 @@ forward with positions counted per sequence, the invariant attention and a torch
 that sends every ``F.linear`` (the head too) through fixed-shape tiles (``tiles.tiled_linear``),
 and refuses any other matmul it cannot vouch for (strict mode). A decoder layer's activation
 checkpointing recomputes it under the same mode, so the backward sees the forward's numerics.
+A call with a KV cache (``generate``) runs the model's own forward: sampling is not scoring.
 On exit (``restore``) the model is exactly as before.
 """
 
@@ -203,6 +204,19 @@ class NumericsPatch:
     lm_head_fp32: bool
     strict: bool
     _restore: list[Callable[[], None]] = field(default_factory=list)
+    _plain_attention: list[tuple[Any, Any]] = field(default_factory=list)  # (config, original)
+
+    @contextmanager
+    def plain(self) -> Iterator[None]:
+        """The model's own attention implementation for the duration (generation)."""
+        swapped = [(cfg, cfg._attn_implementation_internal) for cfg, _ in self._plain_attention]
+        for cfg, original in self._plain_attention:
+            cfg._attn_implementation_internal = original
+        try:
+            yield
+        finally:
+            for cfg, current in swapped:
+                cfg._attn_implementation_internal = current
 
     @property
     def spec(self) -> NumericsSpec:
@@ -304,6 +318,7 @@ def patch_numerics(
     for cfg in _configs(core):
         old = cfg._attn_implementation_internal
         cfg._attn_implementation_internal = ATTENTION_NAME
+        patch._plain_attention.append((cfg, old))
         patch._restore.append(functools.partial(setattr, cfg, "_attn_implementation_internal", old))
 
     def _set_forward(module: nn.Module, new: Callable[..., Any]) -> None:
@@ -378,7 +393,10 @@ def _invariant_call(
         raise TypeError(f"got multiple values for {sorted(overlap)}")
     kwargs = {**kwargs, **bound}
     if kwargs.get("past_key_values") is not None:
-        raise InvariantNumericsError("a KV cache is not supported under trainer_numerics")
+        # Generation (a KV cache): sampling is the inference engine's business, not scoring;
+        # it runs the model's own forward so a patched trainer can still generate.
+        with patch.plain():
+            return original(**kwargs)
     ids = kwargs.get("input_ids")
     ref = ids if ids is not None else kwargs.get("inputs_embeds")
     if ref is None:

@@ -1,4 +1,4 @@
-"""The ``oldlogit`` command: ``serve``, ``publish``, ``bench``.
+"""The ``oldlogit`` command: ``serve``, ``publish``, ``bench``, ``parity``.
 
 Every ``serve`` flag is also an ``OLDLOGIT_*`` environment variable (flags win); the flags
 given are the only ones passed to ``Settings``, which reads the environment for the rest.
@@ -125,6 +125,27 @@ def _parser() -> argparse.ArgumentParser:
     pub.add_argument("--no-progress", action="store_true")
     bench = sub.add_parser("bench", help="run the benchmark suite")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite")
+    par = sub.add_parser(
+        "parity",
+        help="how far a trainer's forward (plain, or under oldlogit.parity) is from the service",
+    )
+    par.add_argument("--url", required=True, help="http://HOST:PORT or grpc://HOST:PORT")
+    par.add_argument(
+        "--model", type=Path, required=True, metavar="DIR",
+        help="HF-format directory holding the weights of --version (the trainer's model)",
+    )
+    par.add_argument("--version", type=int, default=0, dest="policy_version")
+    par.add_argument("--samples", type=int, default=32, help="random sequences to score")
+    par.add_argument("--prompt-len", type=int, default=32, help="longest prompt (tokens)")
+    par.add_argument("--completion-len", type=int, default=64, help="longest completion")
+    par.add_argument("--micro-batches", default="1,4,8", help="micro-batch sizes, e.g. 1,4,8")
+    par.add_argument("--padding", choices=["left", "right"], default="left")
+    par.add_argument("--forward", choices=["plain", "patched", "both"], default="both")
+    par.add_argument("--temperature", type=float, default=1.0)
+    par.add_argument("--top-k", type=int, default=0)
+    par.add_argument("--top-p", type=float, default=1.0)
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--token", default=None, help="read token (or OLDLOGIT_READ_TOKEN)")
     return p
 
 
@@ -187,6 +208,58 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parity(args: argparse.Namespace) -> int:
+    import os
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from oldlogit import Client, OldLogitError
+    from oldlogit.parity import NumericsMismatch, compare
+
+    hf_logging.disable_progress_bar()  # stderr carries one line per error, nothing else
+    token = args.token or os.environ.get("OLDLOGIT_READ_TOKEN")
+    try:
+        sizes = [int(x) for x in str(args.micro_batches).split(",") if x.strip()]
+        if not sizes or min(sizes) < 1 or args.samples < 1:
+            raise ValueError("--micro-batches and --samples must be positive")
+        with Client(args.url, token=token, timeout_s=600.0) as c:
+            info = c.info()
+            model = AutoModelForCausalLM.from_pretrained(
+                args.model, dtype=getattr(torch, info.dtype)
+            ).to(info.device.split(":")[0]).eval()
+            rng = np.random.default_rng(args.seed)
+            samples = []
+            for _ in range(args.samples):
+                p = int(rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1))
+                n = p + int(rng.integers(max(1, args.completion_len // 2), args.completion_len + 1))
+                samples.append((rng.integers(0, info.vocab_size, n), p))
+            forwards = ("plain", "patched") if args.forward == "both" else (args.forward,)
+            report = compare(
+                model,
+                c,
+                samples,
+                policy_version=args.policy_version,
+                micro_batch_sizes=sizes,
+                padding_side=args.padding,
+                forwards=forwards,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+            )
+    except OldLogitError as exc:
+        where = f" ({exc.parameter})" if exc.parameter else ""
+        print(f"oldlogit parity: {exc.code}{where}: {exc.message}", file=sys.stderr)
+        return 1
+    except (NumericsMismatch, ValueError, OSError) as exc:
+        print(f"oldlogit parity: {exc}", file=sys.stderr)
+        return 1
+    print(report.table())
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -216,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "publish":
         return _publish(args)
+    if args.command == "parity":
+        return _parity(args)
     return _bench(args)
 
 

@@ -173,3 +173,32 @@ def test_publish_command(demo_server: CliServer, tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0 and "already published" in out.stdout
+
+
+def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
+    """`oldlogit parity`: the patched forward is bitwise the service at every micro-batch size;
+    a model holding other weights than the version is refused with one line."""
+    from oldlogit_service.demo import DEMO_MODEL_KWARGS
+    from oldlogit_service.model import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "m", **DEMO_MODEL_KWARGS)  # the demo's version 0
+    base = [sys.executable, "-m", "oldlogit_service.cli", "parity", "--model", str(model_dir)]
+    args = ["--samples", "6", "--prompt-len", "12", "--completion-len", "20"]
+    out = subprocess.run(
+        [*base, "--url", f"grpc://{demo_server.grpc}", "--version", "0", *args,
+         "--micro-batches", "1,3", "--temperature", "0.7"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["plain"], ["patched"])]
+    assert [(r[0], r[1]) for r in rows] == [("plain", "1"), ("plain", "3"), ("patched", "1"), ("patched", "3")]
+    for r in rows:
+        assert int(r[2]) > 6 * 10  # scored completion tokens
+        if r[0] == "patched":
+            assert r[3] == "0" and r[4:] == ["0.0", "%"] * 3
+    wrong = subprocess.run(
+        [*base, "--url", f"http://{demo_server.http}", "--version", "2", *args],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )
+    assert wrong.returncode == 1
+    assert wrong.stderr.strip().count("\n") == 0 and "weights of version 2" in wrong.stderr

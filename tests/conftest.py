@@ -60,7 +60,12 @@ def tiny_loaded_factory(tiny_model_factory: Callable[..., Path]) -> Callable[...
     def load(
         *, dtype: str = "float32", device: str = "cpu", numerics: str = "invariant", **kwargs: Any
     ) -> tuple[Any, Any]:
-        key = (("dtype", dtype), ("device", device), ("numerics", numerics), *sorted(kwargs.items()))
+        key = (
+            ("dtype", dtype),
+            ("device", device),
+            ("numerics", numerics),
+            *sorted(kwargs.items()),
+        )
         if key not in cache:
             model_dir = tiny_model_factory(**kwargs)
             model = load_model(model_dir, dtype=dtype, device=device, numerics=numerics)

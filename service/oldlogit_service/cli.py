@@ -131,7 +131,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     par.add_argument("--url", required=True, help="http://HOST:PORT or grpc://HOST:PORT")
     par.add_argument(
-        "--model", type=Path, required=True, metavar="DIR",
+        "--model",
+        type=Path,
+        required=True,
+        metavar="DIR",
         help="HF-format directory holding the weights of --version (the trainer's model)",
     )
     par.add_argument("--version", type=int, default=0, dest="policy_version")
@@ -219,7 +222,7 @@ def _parity(args: argparse.Namespace) -> int:
     from oldlogit import Client, OldLogitError
     from oldlogit.parity import NumericsMismatch, compare
 
-    hf_logging.disable_progress_bar()  # stderr carries one line per error, nothing else
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr: errors only
     token = args.token or os.environ.get("OLDLOGIT_READ_TOKEN")
     try:
         sizes = [int(x) for x in str(args.micro_batches).split(",") if x.strip()]
@@ -227,9 +230,10 @@ def _parity(args: argparse.Namespace) -> int:
             raise ValueError("--micro-batches and --samples must be positive")
         with Client(args.url, token=token, timeout_s=600.0) as c:
             info = c.info()
-            model = AutoModelForCausalLM.from_pretrained(
-                args.model, dtype=getattr(torch, info.dtype)
-            ).to(info.device.split(":")[0]).eval()
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                str(args.model), dtype=getattr(torch, info.dtype)
+            )
+            model = model.to(info.device.split(":")[0]).eval()
             rng = np.random.default_rng(args.seed)
             samples = []
             for _ in range(args.samples):

@@ -185,20 +185,45 @@ def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
     base = [sys.executable, "-m", "oldlogit_service.cli", "parity", "--model", str(model_dir)]
     args = ["--samples", "6", "--prompt-len", "12", "--completion-len", "20"]
     out = subprocess.run(
-        [*base, "--url", f"grpc://{demo_server.grpc}", "--version", "0", *args,
-         "--micro-batches", "1,3", "--temperature", "0.7"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        [
+            *base,
+            "--url",
+            f"grpc://{demo_server.grpc}",
+            "--version",
+            "0",
+            *args,
+            "--micro-batches",
+            "1,3",
+            "--temperature",
+            "0.7",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["plain"], ["patched"])]
-    assert [(r[0], r[1]) for r in rows] == [("plain", "1"), ("plain", "3"), ("patched", "1"), ("patched", "3")]
+    rows = [
+        line.split()
+        for line in out.stdout.splitlines()
+        if line.split()[:1] in (["plain"], ["patched"])
+    ]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("plain", "1"),
+        ("plain", "3"),
+        ("patched", "1"),
+        ("patched", "3"),
+    ]
     for r in rows:
         assert int(r[2]) > 6 * 10  # scored completion tokens
         if r[0] == "patched":
             assert r[3] == "0" and r[4:] == ["0.0", "%"] * 3
     wrong = subprocess.run(
         [*base, "--url", f"http://{demo_server.http}", "--version", "2", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
     assert wrong.returncode == 1
     assert wrong.stderr.strip().count("\n") == 0 and "weights of version 2" in wrong.stderr

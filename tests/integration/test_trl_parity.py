@@ -3,7 +3,8 @@
 The trainer publishes its weights after every optimizer step (the version the next samples are
 generated with), asks the service for π_old of each completion at that version, and computes
 π_θ with the model patched for the whole run (``patch_numerics``: forward, backward and
-activation-checkpoint recomputation; generation runs the model's own forward). With one PPO iteration per generation (zero staleness) the
+activation-checkpoint recomputation; generation runs the model's own forward). With one PPO
+iteration per generation (zero staleness) the
 ratio π_θ / π_old is exactly 1 on every completion token — measured inside TRL's loss on the
 same tensors it uses, not TRL's own detached logps (which would make it 1 trivially). TRL's
 plain bf16 forward, by contrast, is off from the service.
@@ -75,7 +76,10 @@ class ServicePiOldGRPO(trl.GRPOTrainer):  # type: ignore[misc]
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         logps = token_logprobs(
-            model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep=logits_to_keep,
             temperature=self.temperature,
         )
         return logps, (torch.zeros_like(logps) if compute_entropy else None), None
@@ -89,8 +93,13 @@ class ServicePiOldGRPO(trl.GRPOTrainer):  # type: ignore[misc]
         seqs, starts = [], []
         for p, pm, c, cm in zip(prompt_ids, prompt_mask, comp_ids, comp_mask, strict=True):
             prompt = p[pm.bool()].tolist()
-            seqs.append(Sequence(token_ids=prompt + c[cm.bool()].tolist(), policy_version=version,
-                                 score_from=len(prompt)))
+            seqs.append(
+                Sequence(
+                    token_ids=prompt + c[cm.bool()].tolist(),
+                    policy_version=version,
+                    score_from=len(prompt),
+                )
+            )
             starts.append(len(prompt))
         results = self.oldlogit.logprobs_batch(seqs, temperature=self.temperature, use_cache=False)
         old = torch.zeros(comp_ids.shape, dtype=torch.float32)

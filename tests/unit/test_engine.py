@@ -124,7 +124,8 @@ def test_identical_sequences_share_one_forward(tiny_loaded_factory, monkeypatch)
         calls: list[tuple[int, ...]] = []
         decoder = model.module.get_decoder()
         handle = decoder.register_forward_pre_hook(
-            lambda _m, _a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+            lambda _m, _a, kw, calls=calls: calls.append(tuple(kw["input_ids"].shape)),
+            with_kwargs=True,
         )
         try:
             outs = Engine(model).run(weights, jobs)

@@ -93,7 +93,10 @@ def test_param_specs_and_metadata(tiny_model_factory, dtype, tie):
     assert invariant.param_specs == model.param_specs
     spec = invariant.numerics_spec(lm_head_fp32=True)
     assert (spec.profile, spec.dtype, spec.device_kind, spec.tile_rows) == (
-        "invariant", dtype, "cpu", 32
+        "invariant",
+        dtype,
+        "cpu",
+        32,
     )
     assert spec.lm_head_fp32 and spec.threads == torch.get_num_threads()
     assert model.dtype == dtype_from_name(dtype) and model.dtype_name == dtype

@@ -50,8 +50,12 @@ def _model(arch: str, dtype: torch.dtype, seed: int = 0, **extra: object) -> nn.
     return model.to(dtype).eval()
 
 
-def _sequences(rng: np.random.Generator, count: int, lo: int = 2, hi: int = 90) -> list[torch.Tensor]:
-    return [torch.from_numpy(rng.integers(0, VOCAB, int(rng.integers(lo, hi)))) for _ in range(count)]
+def _sequences(
+    rng: np.random.Generator, count: int, lo: int = 2, hi: int = 90
+) -> list[torch.Tensor]:
+    return [
+        torch.from_numpy(rng.integers(0, VOCAB, int(rng.integers(lo, hi)))) for _ in range(count)
+    ]
 
 
 def _padded(seqs: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +92,7 @@ def test_micro_batches_padding_and_packing_change_no_bit(arch, dtype):
             sampling = _sampling(rng)
             fp32 = bool(case % 2)
             seqs = _sequences(rng, int(rng.choice([1, 3, 8])))
-            alone = [
-                token_logprobs(model, s[None], lm_head_fp32=fp32, **sampling)[0] for s in seqs
-            ]
+            alone = [token_logprobs(model, s[None], lm_head_fp32=fp32, **sampling)[0] for s in seqs]
             for side in ("left", "right"):
                 ids, mask = _padded(seqs, side)
                 out = token_logprobs(model, ids, mask, lm_head_fp32=fp32, **sampling)

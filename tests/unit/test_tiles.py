@@ -15,7 +15,9 @@ SHAPES = [(8, 3), (64, 48), (256, 768), (512, 1536)]  # (K, N): tiny, small, mod
 ROW_COUNTS = [1, 2, 7, 63, 64, 65, 130, 641]  # fewer rows than threads, one tile, many tiles
 
 
-def _place(rows: torch.Tensor, target: int, count: int, at: int, seed: int) -> tuple[torch.Tensor, int]:
+def _place(
+    rows: torch.Tensor, target: int, count: int, at: int, seed: int
+) -> tuple[torch.Tensor, int]:
     """``count`` rows holding row ``target`` at position ``at`` among random other rows."""
     gen = torch.Generator().manual_seed(seed)
     others = torch.randperm(rows.shape[0], generator=gen)

@@ -91,7 +91,7 @@ class NumericsSpec:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 out.append(f"{name}: {mine!r} here, {theirs!r} there")
-        if self.device_kind == "cpu" and other.device_kind == "cpu":
-            if self.threads != other.threads:
-                out.append(f"threads: {self.threads} here, {other.threads} there")
+        cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
+        if cpu and self.threads != other.threads:
+            out.append(f"threads: {self.threads} here, {other.threads} there")
         return out

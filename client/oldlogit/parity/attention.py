@@ -63,8 +63,9 @@ class Segments:
                 by_key.setdefault(e - s if share else -i - 1, []).append((b, s, e))
             out = []
             for group in by_key.values():
-                idx = torch.cat([torch.arange(b * self.length + s, b * self.length + e)
-                                 for b, s, e in group])
+                idx = torch.cat(
+                    [torch.arange(b * self.length + s, b * self.length + e) for b, s, e in group]
+                )
                 out.append((len(group), group[0][2] - group[0][1], idx.to(device)))
             self._groups[key] = out
         return self._groups[key]
@@ -115,7 +116,9 @@ def plan_segments(
         prev = torch.cat([positions[:, :1] - 1, positions[:, :-1]], dim=1)
         starts = real & (~prev_real | (positions != prev + 1))
     # A sequence ends where the next token is padding, starts another sequence, or is missing.
-    next_breaks = torch.cat([starts[:, 1:] | ~real[:, 1:], torch.ones(batch, 1, dtype=torch.bool)], 1)
+    next_breaks = torch.cat(
+        [starts[:, 1:] | ~real[:, 1:], torch.ones(batch, 1, dtype=torch.bool)], 1
+    )
     ends = real & next_breaks
     start_idx = starts.nonzero().tolist()  # row-major: (b, t) in order
     end_idx = ends.nonzero().tolist()
@@ -223,12 +226,17 @@ def invariant_attention(
     try:
         for n, seg_len, idx in segments.groups(share, query.device):
 
-            def gather(rows: Tensor, idx: Tensor = idx, n: int = n, seg_len: int = seg_len) -> Tensor:
+            def gather(
+                rows: Tensor, idx: Tensor = idx, n: int = n, seg_len: int = seg_len
+            ) -> Tensor:
                 picked = rows.index_select(0, idx)  # [n * L, h, D]
                 return picked.view(n, seg_len, *rows.shape[1:]).transpose(1, 2)  # [n, h, L, D]
 
             res = _segment_attention(
-                gather(q_rows), gather(k_rows), gather(v_rows), **params  # type: ignore[arg-type]
+                gather(q_rows),
+                gather(k_rows),
+                gather(v_rows),
+                **params,  # type: ignore[arg-type]
             )  # [n, H, L, D]
             out_rows.index_copy_(0, idx, res.transpose(1, 2).reshape(n * seg_len, heads, head_dim))
     finally:

@@ -140,7 +140,10 @@ def compare(
     sampling: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     norm = [(np.asarray(ids, dtype=np.int64), int(start)) for ids, start in samples]
     served = client.logprobs_batch(
-        [WireSequence(token_ids=ids, policy_version=policy_version, score_from=s) for ids, s in norm],
+        [
+            WireSequence(token_ids=ids, policy_version=policy_version, score_from=s)
+            for ids, s in norm
+        ],
         use_cache=False,
         **sampling,
     )

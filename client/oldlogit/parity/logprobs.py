@@ -204,7 +204,9 @@ def decoder_hidden(
     captured: list[Tensor] = []
 
     def hook(_m: nn.Module, _a: Any, output: Any) -> None:
-        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+        captured.append(
+            output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        )
 
     handle = decoder.register_forward_hook(hook)
     try:

@@ -60,13 +60,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     seen = 0
     while seen < 8:
         seen += 1
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") or (
-            not hasattr(model, "get_output_embeddings")
-            and isinstance(getattr(model, "module", None), nn.Module)
+        compiled = getattr(model, "_orig_mod", None)
+        wrapped = getattr(model, "module", None)
+        if isinstance(compiled, nn.Module):
+            model = compiled
+        elif isinstance(wrapped, nn.Module) and (
+            type(model).__name__ in ("DistributedDataParallel", "DataParallel")
+            or not hasattr(model, "get_output_embeddings")
         ):
-            model = model.module
+            model = wrapped
         else:
             break
     return model
@@ -135,14 +137,14 @@ class _TileMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
-            x = args[0] if len(args) > 0 else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            x: Tensor = args[0] if len(args) > 0 else kwargs["input"]
+            weight: Tensor = args[1] if len(args) > 1 else kwargs["weight"]
+            bias: Tensor | None = args[2] if len(args) > 2 else kwargs.get("bias")
             if self.head_fp32 and weight is self.head_weight:
                 # fp32 head: hidden states and head weight cast before the projection.
                 x = x.float()
                 weight = weight.float()
-                bias = bias.float() if bias is not None else None
+                bias = None if bias is None else bias.float()
             if self.tile_rows is None:
                 return F.linear(x, weight, bias)
             return tiled_linear(x, weight, bias, tile_rows=self.tile_rows)
@@ -264,8 +266,10 @@ def local_spec(
     weight = head.weight
     device_kind = weight.device.type if weight.device.type != "meta" else "cpu"
     config = getattr(core, "config", None)
-    attn = ATTENTION_NAME if profile == "invariant" else str(
-        getattr(config, "_attn_implementation", "eager")
+    attn = (
+        ATTENTION_NAME
+        if profile == "invariant"
+        else str(getattr(config, "_attn_implementation", "eager"))
     )
     return NumericsSpec(
         profile=profile,  # type: ignore[arg-type]
@@ -324,13 +328,13 @@ def patch_numerics(
     def _set_forward(module: nn.Module, new: Callable[..., Any]) -> None:
         had = "forward" in module.__dict__
         old = module.__dict__.get("forward")
-        module.forward = new  # type: ignore[method-assign]
+        module.__dict__["forward"] = new  # an instance attribute shadows the class's forward
 
         def undo() -> None:
             if had:
-                module.forward = old  # type: ignore[method-assign]
+                module.__dict__["forward"] = old
             else:
-                del module.forward
+                del module.__dict__["forward"]
 
         patch._restore.append(undo)
 
@@ -343,7 +347,7 @@ def patch_numerics(
     _set_forward(core, forward)
     # Activation checkpointing recomputes decoder layers in the backward, outside the model's
     # forward: the function a layer hands to its checkpoint function re-enters the mode.
-    head = core.get_output_embeddings()
+    head: nn.Module | None = core.get_output_embeddings()  # type: ignore[operator]
     for module in core.modules():
         if module is core or not _is_checkpoint_layer(module):
             continue
@@ -351,7 +355,7 @@ def patch_numerics(
         def layer(
             *a: Any, _f: Callable[..., Any] = module.forward, _m: nn.Module = module, **k: Any
         ) -> Any:
-            ckpt = _m.__dict__.get("_gradient_checkpointing_func")
+            ckpt: Callable[..., Any] | None = _m.__dict__.get("_gradient_checkpointing_func")
             if ckpt is None:
                 return _f(*a, **k)
 
@@ -362,11 +366,11 @@ def patch_numerics(
 
                 return ckpt(run, *args, **kw)
 
-            _m._gradient_checkpointing_func = under_numerics
+            _m.__dict__["_gradient_checkpointing_func"] = under_numerics
             try:
                 return _f(*a, **k)
             finally:
-                _m._gradient_checkpointing_func = ckpt
+                _m.__dict__["_gradient_checkpointing_func"] = ckpt
 
         _set_forward(module, layer)
     setattr(core, _PATCH_ATTR, patch)

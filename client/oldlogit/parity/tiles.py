@@ -81,9 +81,7 @@ def tiled_mm(
 
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, tile_rows: int
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, tile_rows: int) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
         y = tiled_mm(x2d, weight, tile_rows, bias)  # [M, N]
         ctx.save_for_backward(x2d, weight)
@@ -115,5 +113,5 @@ def tiled_linear(
 
     Differentiable: the input gradient is tiled too, the weight gradient is one GEMM.
     """
-    out: Tensor = _TiledLinear.apply(x, weight, bias, tile_rows)
+    out: Tensor = _TiledLinear.apply(x, weight, bias, tile_rows)  # type: ignore[no-untyped-call]
     return out

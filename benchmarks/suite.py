@@ -8,16 +8,22 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, serving, soak, throughput
+from benchmarks import delta_trace, parity, serving, soak, throughput
 from benchmarks.common import Figure, print_table, write_results
 
 FIGURES = {
     "serving": serving,
     "throughput": throughput,
     "delta": delta_trace,
+    "parity": parity,
     "soak": soak,
 }
-DEFAULT = ["serving", "throughput", "delta"]  # the soak runs for minutes: ask for it by name
+DEFAULT = [
+    "serving",
+    "throughput",
+    "delta",
+    "parity",
+]  # the soak runs for minutes: ask for it by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_args(p)
     delta_trace.add_args(p)
     throughput.add_args(p)
+    parity.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         args.duration_s, args.capacity_s, args.publish_every_s = 8.0, 3.0, 1.0
         args.warmup_s = 2.0
         delta_trace.smoke(args)
+        parity.smoke(args)
         args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

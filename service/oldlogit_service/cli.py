@@ -181,7 +181,13 @@ def _serve(args: argparse.Namespace) -> int:
                 "no --write-token: publish/delete/watermark/leases accepted from loopback only"
             )
 
-    asyncio.run(serve(settings, on_ready=ready))
+    from oldlogit_service.engine import NumericsCheckFailed
+
+    try:
+        asyncio.run(serve(settings, on_ready=ready))
+    except NumericsCheckFailed as exc:
+        print(f"oldlogit serve: {exc}; start with --numerics hf to serve anyway", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -227,3 +228,44 @@ def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
     )
     assert wrong.returncode == 1
     assert wrong.stderr.strip().count("\n") == 0 and "weights of version 2" in wrong.stderr
+
+
+def test_serve_refuses_to_start_when_packing_changes_bits(tmp_path: Path) -> None:
+    """The start-up self-check: a platform where a packed batch is not bitwise the sequences
+    alone (simulated: the tiles pick up the row count) makes `serve` exit with one line."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import oldlogit.parity.tiles as t\n"
+        "_mm = t.tiled_mm\n"
+        "def tiled_mm(x, weight, tile_rows=64, bias=None):\n"
+        "    return _mm(x, weight, tile_rows, bias) + x.shape[0] * 1e-3\n"
+        "t.tiled_mm = tiled_mm\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oldlogit_service.cli",
+            "serve",
+            "--demo",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--snapshot-dir",
+            str(tmp_path / "snap"),
+            "--log-level",
+            "ERROR",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "packed batch differs" in lines[0] and "--numerics hf" in lines[0]
+    assert "Traceback" not in out.stderr and "http=" not in out.stdout

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from oldlogit import Client, Sequence
 from oldlogit_service.numerics import SamplingParams
@@ -154,6 +155,17 @@ def test_versions_info_leases_watermark(served: Served, transport: str) -> None:
         assert [v.policy_version for v in vs][:4] == [0, 1, 2, 3]
         info = c.info()
         assert info.vocab_size == 384 and info.dtype == "bfloat16" and info.mode == "deterministic"
+        # The numerics a trainer must share, the same over both transports.
+        assert (info.numerics, info.tile_rows, info.attention) == (
+            "invariant",
+            64,
+            "oldlogit_invariant",
+        )
+        assert info.threads == torch.get_num_threads() and info.lm_head_fp32 is False
+        spec = info.numerics_spec()
+        assert (spec.profile, spec.dtype, spec.device_kind) == ("invariant", "bfloat16", "cpu")
+        assert served.server.runtime is not None
+        assert served.server.runtime.numerics.startswith(spec.key)  # part of every cache key
         one = c.version(1)
         assert one.weight_sha256 == vs[1].weight_sha256
         with c.lease(2, ttl_s=30) as lease:

@@ -1,0 +1,325 @@
+"""Trainer parity and packed batching: what the batch-invariant numerics cost and buy.
+
+I1  rows of a plain ``F.linear`` whose bits change with the row count (share of 7 counts),
+    against fixed-shape tiles (always 0): why the tiles exist.
+I2  packed deterministic service ÷ padded (``fast``, ``--numerics hf``) service: 64 concurrent
+    single-sequence gRPC clients sending short sequences (32 tokens), where batching pays
+    most on a CPU; both servers up at once, rounds interleaved, median of the per-round ratios.
+I3  a patched trainer step (forward + backward) ÷ the plain one: a Qwen2-style bf16 model,
+    TRL's layout (left-padded prompts, right-padded completions, ``logits_to_keep``).
+I4  the parity table: a TRL-style bf16 trainer forward (logits ÷ temperature in bf16, then a
+    per-row log-softmax, as TRL's ``selective_log_softmax`` does for bf16) against the service,
+    plain and under ``trainer_numerics``, per micro-batch size (``oldlogit.parity.compare``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import Figure, ServerProcess
+
+
+def _model_dir(root: Path, *, hidden: int, layers: int, vocab: int, dtype: str) -> Path:
+    from oldlogit_service.model import make_tiny_model_dir
+
+    return make_tiny_model_dir(
+        root,
+        arch="qwen2",
+        seed=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=max(1, hidden // 64) * 2,
+        num_kv_heads=max(1, hidden // 64),
+        intermediate_size=hidden * 3,
+        max_positions=4096,
+        dtype=dtype,
+        initializer_range=0.02,
+    )
+
+
+def _linear_row_changes() -> Figure:
+    from oldlogit.parity import tiled_mm
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 512, generator=gen) * 0.05
+    rows = torch.randn(1100, 512, generator=gen)
+    counts = [1, 3, 7, 64, 65, 200, 1100]
+    plain = [
+        not torch.equal(
+            torch.nn.functional.linear(rows[:m], weight)[0],
+            torch.nn.functional.linear(rows[:1], weight)[0],
+        )
+        for m in counts
+    ]
+    tiled = [
+        not torch.equal(tiled_mm(rows[:m], weight)[0], tiled_mm(rows[:1], weight)[0])
+        for m in counts
+    ]
+    return Figure(
+        "I1 F.linear fp32: share of row counts that change a row's bits",
+        sum(plain) / len(counts),
+        "share",
+        "",
+        {
+            "row_counts": counts,
+            "plain_changed": plain,
+            "tiled_changed": tiled,
+            "printed": f"tiled: {sum(tiled)} of {len(counts)} counts change a bit",
+        },
+    )
+
+
+def _concurrent(clients: list[Any], seqs: list[list[int]], rounds: int) -> float:
+    import threading
+
+    barrier = threading.Barrier(len(clients))
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(rounds):
+                clients[i].logprobs(seqs[i], policy_version=0, use_cache=False)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(clients))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return len(clients) * rounds / (time.perf_counter() - t0)
+
+
+def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
+    from oldlogit import Client
+
+    model_dir = _model_dir(
+        root / "i2-model",
+        hidden=args.hidden,
+        layers=args.layers,
+        vocab=args.vocab,
+        dtype="float32",
+    )
+    rng = random.Random(0)
+    conc, length = args.concurrency, args.parity_len
+    seqs = [[rng.randrange(args.vocab) for _ in range(length)] for _ in range(conc)]
+    configs = {
+        "packed": ["--numerics", "invariant", "--mode", "deterministic"],
+        "padded": ["--numerics", "hf", "--mode", "fast"],
+    }
+    servers = {
+        name: ServerProcess(
+            [
+                "--model",
+                str(model_dir),
+                "--snapshot-dir",
+                str(root / f"i2-{name}"),
+                "--dtype",
+                "float32",
+                "--cache-budget-mib",
+                "0",
+                "--max-wait-ms",
+                "2",
+                *extra,
+            ]
+        )
+        for name, extra in configs.items()
+    }
+    try:
+        clients = {
+            n: [Client(s.grpc_url, timeout_s=600) for _ in range(conc)] for n, s in servers.items()
+        }
+        for name in servers:
+            _concurrent(clients[name], seqs, 1)  # warm-up
+        rps: dict[str, list[float]] = {n: [] for n in servers}
+        ratios = []
+        for _ in range(args.parity_reps):
+            got = {n: _concurrent(clients[n], seqs, args.p3_rounds) for n in servers}
+            for n, v in got.items():
+                rps[n].append(v)
+            ratios.append(got["packed"] / got["padded"])
+        for cs in clients.values():
+            for c in cs:
+                c.close()
+    finally:
+        for s in servers.values():
+            s.stop()
+    med = {n: statistics.median(v) for n, v in rps.items()}
+    return Figure(
+        f"I2 packed deterministic ÷ padded fast, {conc} clients × {length} tokens",
+        statistics.median(ratios),
+        "ratio",
+        ">= 0.9",
+        {
+            "requests_per_s": med,
+            "ratios": ratios,
+            "printed": f"{med['packed']:.0f} vs {med['padded']:.0f} req/s (medians of "
+            f"{len(ratios)} interleaved rounds; ratios {min(ratios):.2f}–{max(ratios):.2f})",
+        },
+    )
+
+
+def _trl_batch(vocab: int, batch: int, prompt: int, completion: int, seed: int) -> tuple[Any, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, prompt + completion), generator=gen)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        p = int(torch.randint(prompt // 2, prompt + 1, (1,), generator=gen))
+        c = int(torch.randint(completion // 2, completion + 1, (1,), generator=gen))
+        mask[b, : prompt - p] = 0  # left-padded prompt
+        mask[b, prompt + c :] = 0  # right-padded completion
+    return ids, mask
+
+
+def _trainer_step_cost(args: argparse.Namespace, root: Path) -> Figure:
+    from transformers import AutoModelForCausalLM
+
+    from oldlogit.parity import token_logprobs, trainer_numerics
+
+    model_dir = _model_dir(
+        root / "i3-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
+    )
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    prompt, completion = 64, 128
+    ids, mask = _trl_batch(8192, 8, prompt, completion, seed=1)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        lp = token_logprobs(model, ids, mask, logits_to_keep=completion, temperature=0.7)
+        (-(lp * mask[:, prompt:]).sum()).backward()
+
+    def best_of(reps: int) -> float:
+        step()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    ratios, plain_s, patched_s = [], [], []
+    for _ in range(args.parity_reps):  # interleaved: the machine's drift hits both alike
+        plain = best_of(2)
+        with trainer_numerics(model):
+            patched = best_of(2)
+        plain_s.append(plain)
+        patched_s.append(patched)
+        ratios.append(patched / plain)
+    return Figure(
+        "I3 patched trainer forward+backward ÷ plain (bf16, 8 × (64 + 128) tokens)",
+        statistics.median(ratios),
+        "ratio",
+        "<= 1.3",
+        {
+            "plain_s": statistics.median(plain_s),
+            "patched_s": statistics.median(patched_s),
+            "ratios": ratios,
+        },
+    )
+
+
+def trl_style_logprobs(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, sampling: dict[str, Any]
+) -> torch.Tensor:
+    """What a TRL-style bf16 trainer computes: logits ÷ temperature in the model dtype, then a
+    log-softmax per row in that dtype and a gather ([B, T] aligned; 0 at position 0)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T-1, V], bf16
+    logits = logits / sampling["temperature"]
+    rows = [torch.log_softmax(row, dim=-1) for row in logits]  # per row, in bf16
+    picked = torch.stack(rows).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
+    return torch.cat([picked.new_zeros(ids.shape[0], 1), picked], dim=1).float()
+
+
+def _parity_table(args: argparse.Namespace, root: Path) -> list[Figure]:
+    from transformers import AutoModelForCausalLM
+
+    from oldlogit import Client
+    from oldlogit.parity import compare
+
+    model_dir = _model_dir(
+        root / "i4-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
+    )
+    srv = ServerProcess(
+        ["--model", str(model_dir), "--snapshot-dir", str(root / "i4-snap"), "--dtype", "bfloat16"]
+    )
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+        rng = random.Random(2)
+        samples = []
+        for _ in range(args.parity_samples):
+            p, c = rng.randint(16, 64), rng.randint(32, 128)
+            samples.append(([rng.randrange(8192) for _ in range(p + c)], p))
+        with Client(srv.grpc_url, timeout_s=600) as client:
+            plain = compare(
+                model,
+                client,
+                samples,
+                policy_version=0,
+                forwards=("plain",),
+                temperature=0.7,
+                logprob_fn=trl_style_logprobs,
+            )
+            patched = compare(
+                model, client, samples, policy_version=0, forwards=("patched",), temperature=0.7
+            )
+    finally:
+        srv.stop()
+    figures = []
+    for label, report in (("TRL-style plain", plain), ("patched", patched)):
+        for row in report.rows:
+            figures.append(
+                Figure(
+                    f"I4 {label} bf16 trainer, micro-batch {row.micro_batch}: max |Δ logprob|",
+                    row.max_abs,
+                    "nats",
+                    "0" if label == "patched" else "",
+                    {
+                        "tokens": row.tokens,
+                        "share_off": {str(k): v for k, v in row.share_off.items()},
+                        "printed": "tokens with ratio ≠ 1: "
+                        + ", ".join(f">{k:g}: {100 * v:.1f} %" for k, v in row.share_off.items()),
+                    },
+                )
+            )
+    return figures
+
+
+def run(args: argparse.Namespace) -> list[Figure]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-parity-"))
+    figures = [_linear_row_changes()]
+    figures.append(_packed_vs_padded(args, root))
+    figures.append(_trainer_step_cost(args, root))
+    figures.extend(_parity_table(args, root))
+    return figures
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parity-len", type=int, default=32, help="I2: tokens per sequence")
+    p.add_argument("--parity-reps", type=int, default=7, help="I2/I3: interleaved rounds")
+    p.add_argument("--parity-samples", type=int, default=32, help="I4: sequences compared")
+    p.add_argument("--trainer-hidden", type=int, default=512, help="I3/I4: model width")
+
+
+def smoke(args: argparse.Namespace) -> None:
+    args.parity_len, args.parity_reps, args.parity_samples, args.trainer_hidden = 16, 1, 4, 64
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: oldlogit bench parity")

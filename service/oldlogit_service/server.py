@@ -46,6 +46,7 @@ from oldlogit_service.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
+
 def build_runtime(settings: Settings) -> Runtime:
     """Load the architecture, open the snapshot store, seed version 0 / the demo versions."""
     device = resolve_device(settings.device)
@@ -60,7 +61,10 @@ def build_runtime(settings: Settings) -> Runtime:
         assert settings.model is not None
         model_dir = settings.model
     model = load_model(
-        model_dir, dtype=dtype, device=device, numerics=settings.numerics,
+        model_dir,
+        dtype=dtype,
+        device=device,
+        numerics=settings.numerics,
         tile_rows=settings.tile_rows,
     )
     settings.snapshot_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +114,10 @@ def build_runtime(settings: Settings) -> Runtime:
     if settings.ewma_beta is not None:
         # A second skeleton (no parameter memory) and engine: the scheduler's are not shared.
         proxy_model = load_model(
-            model_dir, dtype=dtype, device=device, numerics=settings.numerics,
+            model_dir,
+            dtype=dtype,
+            device=device,
+            numerics=settings.numerics,
             tile_rows=settings.tile_rows,
         )
         proxy_engine = Engine(proxy_model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)

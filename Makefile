@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck proto install validate-deploy image base-images
+.PHONY: demo test lint typecheck proto install validate-deploy image base-images compose-test
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,3 +63,7 @@ image:
 base-images:
 	scripts/make_base_images.sh
 
+# The whole docker-compose.yml brought up and checked as a user would, then torn down
+# (scripts/compose_test.py). Needs a Docker engine; not part of `make test`, .ci/run calls it.
+compose-test: $(STAMP)
+	$(PY) scripts/compose_test.py $(COMPOSE_TEST_ARGS)

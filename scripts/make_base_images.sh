@@ -99,6 +99,7 @@ RUN apt-get update \\
     && mkdir -p /data && chown redis:redis /data
 WORKDIR /data
 USER redis
+VOLUME /data
 EXPOSE 6379
 CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no"]
 EOF

@@ -505,7 +505,7 @@ def test_overlay_builds_and_validates(overlay: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_semantics(overlay: str) -> None:
-    from oldlogit_service.config import Settings
+    from oldlogit_service.config import Settings, is_wildcard
 
     docs = kustomize(overlay)
     dep = one(docs, "Deployment", "oldlogit")
@@ -517,6 +517,10 @@ def test_overlay_semantics(overlay: str) -> None:
     env = config["data"]
     # Every key is a setting (extra=forbid), and together they are a valid Settings.
     settings = Settings(**{k.removeprefix("OLDLOGIT_").lower(): v for k, v in env.items()})
+    # Bound to every interface, so the replica advertises its pod IP (the downward API).
+    assert is_wildcard(settings.host)
+    (advertise,) = [e for e in c["env"] if e["name"] == "OLDLOGIT_ADVERTISE_HOST"]
+    assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": settings.http_port, "grpc": settings.grpc_port}
     # Probes: slow first loads, readiness = can serve, liveness independent of Redis.

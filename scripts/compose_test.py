@@ -477,7 +477,7 @@ def ensure_images(args: argparse.Namespace, env: dict[str, str]) -> str:
             redis = LOCAL_REDIS_IMAGE
     env["OLDLOGIT_REDIS_IMAGE"] = redis
     size = int(sh(["docker", "image", "inspect", "-f", "{{.Size}}", image]).strip())
-    return f"{image} {note} ({size / 1e6:.0f} MB), Redis {redis}"
+    return f"{image} {note} ({size // 1_000_000} MB), Redis {redis}"
 
 
 @contextmanager

@@ -89,17 +89,22 @@ if [[ $dry_run == 1 ]]; then
   exit 0
 fi
 
-# Stage the build-stage inputs (deploy/docker/build-extras/README.md); emptied again on exit.
+# Stage the build-stage inputs (deploy/docker/build-extras/README.md) for this build and remove
+# them again on exit; files someone put there by hand are used as they are and left alone.
 extras=deploy/docker/build-extras
-cleanup() { find "$extras" -mindepth 1 -not -name README.md -delete; }
+staged=()
+cleanup() { ((${#staged[@]} == 0)) || rm -f "${staged[@]}"; }
 trap cleanup EXIT
-cleanup
-if [[ $CA_BUNDLE != none ]]; then
-  cp "$CA_BUNDLE" "$extras/ca.pem"
-fi
-if [[ $TORCH_WHEEL != none ]]; then
-  ln "$TORCH_WHEEL" "$extras/" 2>/dev/null || cp "$TORCH_WHEEL" "$extras/"
-fi
+stage() { # SOURCE DEST
+  if [[ -e $2 ]]; then
+    say "using $2 as it is"
+    return
+  fi
+  ln "$1" "$2" 2>/dev/null || cp "$1" "$2"
+  staged+=("$2")
+}
+[[ $CA_BUNDLE == none ]] || stage "$CA_BUNDLE" "$extras/ca.pem"
+[[ $TORCH_WHEEL == none ]] || stage "$TORCH_WHEEL" "$extras/$(basename "$TORCH_WHEEL")"
 
 start=$SECONDS
 DOCKER_BUILDKIT=$docker_buildkit "${cmd[@]}"

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck proto install validate-deploy
+.PHONY: demo test lint typecheck proto install validate-deploy image base-images compose-test
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,3 +51,19 @@ validate-deploy: $(STAMP)
 	  $(VENV)/bin/kubectl kustomize $$overlay > $$out; \
 	  $(VENV)/bin/kubernetes-validate --strict --kubernetes-version $(K8S_VERSION) $$out; \
 	done
+
+# The image, built with Docker (scripts/build_image.sh says what each variable does). Plain
+# `make image` on a machine with registry access is `docker build .`; `make image VARIANT=cuda`
+# the CUDA build. Behind a TLS-intercepting proxy or without an image registry it hands the
+# build the CA bundle ($$PIP_CERT), a local torch wheel and a local Debian base.
+image:
+	scripts/build_image.sh
+
+# Local Debian base images (python, redis) for hosts with no image registry.
+base-images:
+	scripts/make_base_images.sh
+
+# The whole docker-compose.yml brought up and checked as a user would, then torn down
+# (scripts/compose_test.py). Needs a Docker engine; not part of `make test`, .ci/run calls it.
+compose-test: $(STAMP)
+	$(PY) scripts/compose_test.py $(COMPOSE_TEST_ARGS)

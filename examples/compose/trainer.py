@@ -33,7 +33,7 @@ def nudge(model: torch.nn.Module, gen: torch.Generator, fraction: float = 0.01) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", required=True, help="one replica, e.g. http://oldlogit-1:8000")
+    ap.add_argument("--url", required=True, help="comma-separated replica URLs (failover)")
     ap.add_argument("--model-dir", type=Path, required=True, help="the model the service serves")
     ap.add_argument("--steps", type=int, default=0, help="versions to publish (0: forever)")
     ap.add_argument("--interval-s", type=float, default=10.0, help="seconds between versions")
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     token = os.environ.get("OLDLOGIT_WRITE_TOKEN")  # publishing and the watermark are writes
-    with Client(args.url, token=token, timeout_s=120.0) as c:
+    with Client(args.url.split(","), token=token, timeout_s=120.0) as c:
         info = c.info()
         dtype = getattr(torch, info.dtype)  # publish in the serving dtype, as the service keeps it
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)

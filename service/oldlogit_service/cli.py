@@ -29,6 +29,13 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {"help": "address to bind (default 127.0.0.1)"}),
     ("--http-port", {"type": int, "help": "HTTP port (default 8000; 0 picks a free one)"}),
     ("--grpc-port", {"type": int, "help": "gRPC port (default 50051; 0 picks a free one)"}),
+    (
+        "--advertise-host",
+        {
+            "help": "the host other machines reach this replica at, listed in /v1/replicas "
+            "(default: --host if it is a specific address, else this machine's hostname)"
+        },
+    ),
     ("--device", {"choices": ["auto", "cpu", "cuda"]}),
     ("--dtype", {"choices": ["bfloat16", "float16", "float32"]}),
     (

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from oldlogit.errors import Conflict, Unavailable, UnknownVersion, VersionEvicted
+from oldlogit_service.config import is_wildcard
 from oldlogit_service.redis_adapters import (
     EventListener,
     RedisLeases,
@@ -35,6 +36,18 @@ logger = logging.getLogger(__name__)
 
 def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def advertised_address(bind_host: str, port: int, advertise_host: str | None = None) -> str:
+    """``host:port`` other machines reach this replica at, for the membership record.
+
+    ``advertise_host`` if given; else the bind address when it is a specific one; else (bound
+    to every interface: 0.0.0.0, ::) this machine's hostname, which compose and a headless
+    Service resolve. Never the wildcard itself: a client cannot connect to 0.0.0.0.
+    """
+    host = advertise_host or (socket.gethostname() if is_wildcard(bind_host) else bind_host)
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Cluster:

@@ -7,6 +7,7 @@ sentence that says what to change.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +18,14 @@ from oldlogit.parity import DEFAULT_TILE_ROWS
 
 GIB = 1024**3
 MIB = 1024**2
+
+
+def is_wildcard(host: str) -> bool:
+    """True for the "every interface" bind addresses (0.0.0.0, ::, ''): never reachable."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return host.strip("[]") == ""
 
 
 class Settings(BaseSettings):
@@ -30,6 +39,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(50051, ge=0, le=65535)
+    # The host other replicas' clients reach this one at (published in the membership); None:
+    # the bind address if it is a specific one, else this machine's hostname (cluster.py).
+    advertise_host: str | None = Field(None, min_length=1)
     # Numerics.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -84,6 +96,12 @@ class Settings(BaseSettings):
             raise ValueError("set --model DIR (an HF-format model directory) or --demo")
         if self.model is not None and self.demo:
             raise ValueError("--model and --demo exclude each other: choose one")
+        if self.advertise_host is not None and is_wildcard(self.advertise_host):
+            raise ValueError(
+                f"--advertise-host {self.advertise_host} is no address a client can reach: "
+                "give this replica's DNS name or IP (compose: the service name; Kubernetes: "
+                "the pod IP), or leave it unset"
+            )
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError(
                 "float16 on CPU is slow and poorly supported: use --dtype bfloat16 or float32"

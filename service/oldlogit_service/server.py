@@ -26,7 +26,7 @@ import uvicorn
 from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app
 from oldlogit_service.cache import ResultCache
-from oldlogit_service.cluster import Cluster, default_replica_id
+from oldlogit_service.cluster import Cluster, advertised_address, default_replica_id
 from oldlogit_service.config import Settings
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
 from oldlogit_service.engine import Engine, self_check
@@ -220,7 +220,12 @@ async def serve(
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     bound = Bound(http=f"{host}:{http_port}", grpc=f"{host}:{grpc_port}")
     if rt.cluster is not None:
-        rt.cluster.start(http=bound.http, grpc=bound.grpc, queue_depth=lambda: rt.scheduler.depth)
+        # The membership lists where others reach us, not where we bound (0.0.0.0 is no address).
+        rt.cluster.start(
+            http=advertised_address(settings.host, http_port, settings.advertise_host),
+            grpc=advertised_address(settings.host, grpc_port, settings.advertise_host),
+            queue_depth=lambda: rt.scheduler.depth,
+        )
     if on_ready is not None:
         on_ready(bound, rt)
     try:

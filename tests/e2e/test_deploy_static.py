@@ -1,11 +1,15 @@
-"""The deploy files, checked without a Docker engine or a cluster.
+"""The deploy files, checked without a Docker engine or a cluster (``make compose-test``,
+scripts/compose_test.py, runs the real stack where an engine is available).
 
-- Dockerfile: hadolint passes; multi-stage, non-root, the pinned torch; .dockerignore keeps
-  the build context to what is copied; ENTRYPOINT + CMD and the HEALTHCHECK run here.
-- docker-compose.yml: the compose-spec schema accepts it; the topology is the promised one;
-  every ``command``, ``entrypoint`` and ``healthcheck`` runs against local servers (real
-  redis-server, real ``oldlogit serve``, the demo trainer and rollout worker), with only ports,
-  host names and paths rewritten.
+- Dockerfile: hadolint passes; multi-stage, non-root, the pinned torch; build-only inputs (CA
+  bundle, local wheels) stay in the build stage; .dockerignore keeps the build context to what
+  is copied; ENTRYPOINT + CMD and the HEALTHCHECK run here; ``make image`` resolves the CPU and
+  the CUDA variant (the CUDA base cannot be pulled here: its command line is checked).
+- docker-compose.yml: the compose-spec schema accepts it; the topology is the promised one
+  (password-protected Redis, loopback-published replicas advertising their service names,
+  read-only root file systems); every ``command``, ``entrypoint`` and ``healthcheck`` runs
+  against local servers (real redis-server, real ``oldlogit serve``, the demo trainer and
+  rollout worker), with only ports, host names and paths rewritten.
 - deploy/k8s: ``kubectl kustomize`` builds each overlay, ``kubernetes-validate`` accepts it for
   the pinned Kubernetes version (deploy/k8s/KUBERNETES_VERSION), and the probes, grace period,
   selectors, ConfigMap (valid ``Settings``), HPA and GPU resources are what they should be.
@@ -126,6 +130,57 @@ def test_dockerfile_is_multistage_non_root_with_the_pinned_torch() -> None:
     assert any(k == "ARG" and a.startswith("TORCH_INDEX=") for k, a in ins)
 
 
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile's instructions per stage name (``FROM ... AS name``)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    name = ""
+    for k, a in dockerfile():
+        if k == "FROM":
+            name = a.split()[-1]
+        out.setdefault(name, []).append((k, a))
+    return out
+
+
+def test_build_inputs_stay_in_the_build_stage() -> None:
+    """The CA bundle and local wheels of deploy/docker/build-extras reach the build stage only;
+    every pip install there is pinned by constraints.txt (no unpinned torch, no CUDA wheels)."""
+    st = stages()
+    assert set(st) >= {"base", "build", "runtime"}
+    assert any(k == "COPY" and "build-extras" in a for k, a in st["build"])
+    for name in ("base", "runtime"):
+        assert not any("build-extras" in a or "pip.conf" in a for _, a in st[name]), name
+    (carried,) = [a for k, a in st["runtime"] if k == "COPY"]
+    assert carried.split() == ["--from=build", "/opt/venv", "/opt/venv"]
+    installs = [a for k, a in dockerfile() if k == "RUN" and "pip install" in a]
+    assert installs and all(
+        a.count("pip install") == a.count("-c constraints.txt") for a in installs
+    )
+    assert not dockerignored("deploy/docker/build-extras/ca.pem")
+    assert not dockerignored("deploy/docker/build-extras/torch-2.13.0+cpu-cp311-x.whl")
+    assert dockerignored("deploy/docker/README.md")
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_make_image_builds_each_variant(variant: str) -> None:
+    """`make image` (scripts/build_image.sh) for both variants, without building: the CUDA base
+    cannot be pulled here, so its command line is what is checked."""
+    env = {"PATH": os.environ["PATH"], "VARIANT": variant}
+    out = run(["bash", "scripts/build_image.sh", "--dry-run"], env=env)
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.strip().splitlines()[-1].split()
+    args = dict(cmd[i + 1].split("=", 1) for i, w in enumerate(cmd) if w == "--build-arg")
+    tag = cmd[cmd.index("-t") + 1]
+    if variant == "cpu":
+        assert (args["BASE_IMAGE"], tag) == ("python:3.11-slim-bookworm", "oldlogit:latest")
+        assert args["TORCH_INDEX"].endswith("/whl/cpu")
+    else:
+        assert args["BASE_IMAGE"].startswith("nvidia/cuda:") and "runtime" in args["BASE_IMAGE"]
+        assert (args["TORCH_INDEX"].rsplit("/", 1)[1], tag) == ("cu128", "oldlogit:latest-cuda")
+    assert cmd[-1] == "."
+    bad = run(["bash", "scripts/build_image.sh", "--dry-run"], env={**env, "VARIANT": "tpu"})
+    assert bad.returncode == 2
+
+
 def test_dockerignore_keeps_exactly_what_the_image_copies() -> None:
     sources = [
         src
@@ -225,26 +280,49 @@ def test_compose_file_passes_the_compose_spec_schema(tmp_path: Path) -> None:
     assert run([checker, *schema, str(tmp_path / "compose.yml")]).returncode != 0
 
 
+SECRETS = {"OLDLOGIT_WRITE_TOKEN": "t", "OLDLOGIT_REDIS_PASSWORD": "p", "OLDLOGIT_MODEL_DIR": "/m"}
+
+
 def test_compose_topology() -> None:
-    with pytest.raises(KeyError, match="OLDLOGIT_WRITE_TOKEN"):
-        compose({"OLDLOGIT_MODEL_DIR": "/m"})  # the secret is required, never defaulted
-    with pytest.raises(KeyError, match="OLDLOGIT_MODEL_DIR"):
-        compose({"OLDLOGIT_WRITE_TOKEN": "t"})
-    services = compose({"OLDLOGIT_WRITE_TOKEN": "t", "OLDLOGIT_MODEL_DIR": "/m"})["services"]
+    for required in SECRETS:  # secrets and the model are required, never defaulted
+        with pytest.raises(KeyError, match=required):
+            compose({k: v for k, v in SECRETS.items() if k != required})
+    raw = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert "name" not in raw  # docker-compose 1.29 refuses a top-level name
+    services = compose(SECRETS)["services"]
     registry = services["redis-registry"]["command"]
     cache = services["redis-cache"]["command"]
     assert registry[registry.index("--maxmemory-policy") + 1] == "noeviction"
     assert cache[cache.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in cache
+    for name in ("redis-registry", "redis-cache"):
+        s = services[name]
+        assert s["command"][s["command"].index("--requirepass") + 1] == "p"
+        assert s["environment"]["REDISCLI_AUTH"] == "p"  # the healthcheck authenticates
+        assert "ports" not in s  # reachable inside the project network only
     replicas = [n for n, s in services.items() if s.get("command", [None])[0] == "serve"]
-    assert len(replicas) == 2
+    assert replicas == ["oldlogit-1", "oldlogit-2"]
     for name in replicas:
         s = services[name]
+        env = s["environment"]
         assert "snapshots:/snapshots" in s["volumes"]  # one shared snapshot volume
-        assert s["environment"]["OLDLOGIT_WRITE_TOKEN"] == "t"
-        drain = float(s["environment"]["OLDLOGIT_DRAIN_TIMEOUT_S"])
+        assert env["OLDLOGIT_WRITE_TOKEN"] == "t"
+        assert env["OLDLOGIT_REDIS_URL"] == "redis://:p@redis-registry:6379/0"
+        assert env["OLDLOGIT_CACHE_REDIS_URL"] == "redis://:p@redis-cache:6379/0"
+        assert not any("redis://" in w for w in s["command"])  # no password in `ps`
+        # Others reach it by its service name, and its store directory survives re-creation.
+        assert env["OLDLOGIT_ADVERTISE_HOST"] == env["OLDLOGIT_REPLICA_ID"] == name
+        drain = float(env["OLDLOGIT_DRAIN_TIMEOUT_S"])
         assert float(s["stop_grace_period"].rstrip("s")) > drain
+        # Published on the host's loopback unless asked otherwise.
+        assert all(p.startswith("127.0.0.1:") for p in s["ports"]), s["ports"]
+        public = compose({**SECRETS, "OLDLOGIT_PUBLISH_ADDR": "0.0.0.0"})["services"][name]
+        assert all(p.startswith("0.0.0.0:") for p in public["ports"])
+    assert {p.split(":")[1] for n in replicas for p in services[n]["ports"]} == {
+        "8000", "8001", "50051", "50052"
+    }  # fmt: skip
     for name, s in services.items():
         assert s["healthcheck"]["test"][0] == "CMD", name
+        assert s["read_only"] is True, name
         for dep, cond in s.get("depends_on", {}).items():
             assert cond == {"condition": "service_healthy"}, (name, dep)
             assert "healthcheck" in services[dep]
@@ -257,6 +335,7 @@ class RedisFromCompose:
     def __init__(self, service: dict[str, Any], tmp: Path) -> None:
         cmd = service["command"]
         assert cmd[0] == "redis-server"
+        self.env = service.get("environment", {})  # REDISCLI_AUTH, as in the container
         self.port = free_port()
         tmp.mkdir()
         self.proc = subprocess.Popen(
@@ -270,8 +349,11 @@ class RedisFromCompose:
             assert self.proc.poll() is None and time.monotonic() < end, "redis did not start"
             time.sleep(0.1)
 
-    def cli(self, *args: str) -> str:
-        return run([tool("redis-cli"), "-p", str(self.port), *args]).stdout
+    def cli(self, *args: str, auth: bool = True) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
+        if auth:
+            env.update(self.env)
+        return run([tool("redis-cli"), "-p", str(self.port), *args], env=env).stdout
 
     def answers(self) -> bool:
         return self.cli("ping").strip() == "PONG"
@@ -297,7 +379,11 @@ def redis_pair(services: dict[str, Any], tmp: Path) -> Iterator[dict[str, RedisF
 def test_every_compose_command_runs_against_local_servers(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    env = {"OLDLOGIT_WRITE_TOKEN": TOKEN, "OLDLOGIT_MODEL_DIR": str(tiny_model_dir)}
+    env = {
+        "OLDLOGIT_WRITE_TOKEN": TOKEN,
+        "OLDLOGIT_REDIS_PASSWORD": "compose-test-password",
+        "OLDLOGIT_MODEL_DIR": str(tiny_model_dir),
+    }
     services = compose(env)["services"]
     todo = {(n, k) for n, s in services.items() for k in ("command", "entrypoint", "healthcheck")}
     todo &= {(n, k) for n, s in services.items() for k in s}
@@ -318,11 +404,14 @@ def test_every_compose_command_runs_against_local_servers(
         if words[0] == "redis-cli":
             words = [words[0], "-p", str(redis[name].port), *words[1:]]
         done.add((name, "healthcheck"))
-        return run(argv(words), env={**os.environ, **(env or {})}).returncode
+        # The service's own environment, as the container has it (REDISCLI_AUTH for Redis).
+        own = {k: v for k, v in services[name].get("environment", {}).items() if k != "HOME"}
+        return run(argv(words), env={**os.environ, **own, **(env or {})}).returncode
 
     with redis_pair(services, tmp_path) as redis:
         for name, policy in (("redis-registry", "noeviction"), ("redis-cache", "allkeys-lru")):
             assert policy in redis[name].cli("config", "get", "maxmemory-policy").split()
+            assert "NOAUTH" in redis[name].cli("ping", auth=False)  # the password is enforced
             done.add((name, "command"))
             assert healthcheck(name) == 0, name
         subs.update(
@@ -340,7 +429,12 @@ def test_every_compose_command_runs_against_local_servers(
         for flag in ("--http-port", "--grpc-port"):
             cmd[cmd.index(flag) + 1] = "0"
         assert cmd[0] == "serve"
-        srv = start_cli(cmd[1:], env=services["oldlogit-1"]["environment"])
+        # The replica's environment (Redis URLs with the password, advertise host...), with
+        # the same host rewrites; HOME stays this machine's.
+        replica_env = {
+            k: argv([v])[0] for k, v in services["oldlogit-1"]["environment"].items() if k != "HOME"
+        }
+        srv = start_cli(cmd[1:], env=replica_env)
         try:
             done |= {("oldlogit-1", "command"), ("oldlogit-2", "command")}
             port = {"OLDLOGIT_HTTP_PORT": srv.http.rsplit(":", 1)[1]}
@@ -348,6 +442,7 @@ def test_every_compose_command_runs_against_local_servers(
             subs.update(
                 {
                     "oldlogit-1:8000": srv.http,
+                    "oldlogit-2:8000": srv.http,
                     "oldlogit-1:50051": srv.grpc,
                     "oldlogit-2:50051": srv.grpc,
                 }
@@ -410,7 +505,7 @@ def test_overlay_builds_and_validates(overlay: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_semantics(overlay: str) -> None:
-    from oldlogit_service.config import Settings
+    from oldlogit_service.config import Settings, is_wildcard
 
     docs = kustomize(overlay)
     dep = one(docs, "Deployment", "oldlogit")
@@ -422,6 +517,10 @@ def test_overlay_semantics(overlay: str) -> None:
     env = config["data"]
     # Every key is a setting (extra=forbid), and together they are a valid Settings.
     settings = Settings(**{k.removeprefix("OLDLOGIT_").lower(): v for k, v in env.items()})
+    # Bound to every interface, so the replica advertises its pod IP (the downward API).
+    assert is_wildcard(settings.host)
+    (advertise,) = [e for e in c["env"] if e["name"] == "OLDLOGIT_ADVERTISE_HOST"]
+    assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": settings.http_port, "grpc": settings.grpc_port}
     # Probes: slow first loads, readiness = can serve, liveness independent of Redis.

@@ -12,12 +12,13 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ResultCache", "ResultCacheBackend", "make_key"]
+__all__ = ["CacheStats", "ResultCache", "ResultCacheBackend", "make_key"]
 
 _KEY_FORMAT = b"oldlogit.result-cache/1"
 
@@ -61,9 +62,25 @@ def make_key(
     return h.digest()
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0  # lookups or stores that failed (a shared cache that is unreachable)
+    bytes: int = 0  # held in this process (0 for a shared cache)
+    max_bytes: int = 0
+    entries: int = 0
+    evictions: int = 0
+
+
 @runtime_checkable
 class ResultCacheBackend(Protocol):
-    """What the runtime needs from a result cache (in-process here; Redis can implement it)."""
+    """What the runtime needs from a result cache (in-process here; Redis implements it too).
+
+    ``blocking``: its calls wait on the network, so the runtime makes them in a thread.
+    """
+
+    blocking: bool
 
     def make_key(
         self,
@@ -75,11 +92,11 @@ class ResultCacheBackend(Protocol):
         positions: npt.ArrayLike,
     ) -> bytes: ...
 
-    def get(self, key: bytes) -> npt.NDArray[np.float32] | None: ...
+    def get_many(self, keys: list[bytes]) -> list[npt.NDArray[np.float32] | None]: ...
 
-    def put(self, key: bytes, value: npt.NDArray[np.float32]) -> None: ...
+    def put_many(self, items: list[tuple[bytes, npt.NDArray[np.float32]]]) -> None: ...
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> CacheStats: ...
 
 
 class ResultCache:
@@ -89,6 +106,8 @@ class ResultCache:
     are private read-only copies, so ``get`` returns them without copying and no caller can
     change what another one reads.
     """
+
+    blocking = False
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -149,21 +168,28 @@ class ResultCache:
                 self._bytes -= v.nbytes + len(k)
                 self._evictions += 1
 
+    def get_many(self, keys: list[bytes]) -> list[npt.NDArray[np.float32] | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: list[tuple[bytes, npt.NDArray[np.float32]]]) -> None:
+        for k, v in items:
+            self.put(k, v)
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> CacheStats:
         with self._lock:
-            return {
-                "hits": self._hits,
-                "misses": self._misses,
-                "bytes": self._bytes,
-                "max_bytes": self.max_bytes,
-                "entries": len(self._entries),
-                "evictions": self._evictions,
-            }
+            return CacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                bytes=self._bytes,
+                max_bytes=self.max_bytes,
+                entries=len(self._entries),
+                evictions=self._evictions,
+            )
 
     def __len__(self) -> int:
         with self._lock:

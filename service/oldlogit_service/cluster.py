@@ -19,8 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oldlogit.errors import Conflict, Unavailable, UnknownVersion, VersionEvicted
+from oldlogit.errors import Conflict, OldLogitError, Unavailable, UnknownVersion, VersionEvicted
+from oldlogit.types import LeaseInfo, VersionInfo
 from oldlogit_service.config import is_wildcard
+from oldlogit_service.control import check_ttl, version_info
 from oldlogit_service.redis_adapters import (
     EventListener,
     RedisLeases,
@@ -50,20 +52,23 @@ def advertised_address(bind_host: str, port: int, advertise_host: str | None = N
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Cluster:
-    """The replica's view of the deployment, kept in step through Redis."""
+class ClusterControl:
+    """The replica's view of the deployment, kept in step through Redis (``control.Control``).
+
+    Built before the store (whose publishes it claims: ``claim``; whose retention it pins:
+    ``leased_versions``), then ``bind``-ed to it.
+    """
 
     def __init__(
         self,
         redis_url: str,
         namespace: str,
         replica_id: str,
-        store: SnapshotStore,
         *,
         heartbeat_s: float = 1.0,
     ) -> None:
         self.replica_id = replica_id
-        self.store = store
+        self._store: SnapshotStore | None = None
         self._client = connect(redis_url)
         self.registry = RedisRegistry(self._client, namespace)
         self.leases = RedisLeases(self._client, namespace)
@@ -81,11 +86,18 @@ class Cluster:
         self._thread = threading.Thread(
             target=self._beat_loop, name="oldlogit-heartbeat", daemon=True
         )
-        store.commit_hook = self._claim
-        store.external_pins = self.leased_versions
+
+    def bind(self, store: SnapshotStore) -> ClusterControl:
+        self._store = store
+        return self
+
+    @property
+    def store(self) -> SnapshotStore:
+        assert self._store is not None, "bind the cluster control to its store first"
+        return self._store
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, *, http: str, grpc: str, queue_depth: Callable[[], int]) -> Cluster:
+    def start(self, *, http: str, grpc: str, queue_depth: Callable[[], int]) -> None:
         self._address = {"http": http, "grpc": grpc}
         self._queue_depth = queue_depth
         try:
@@ -94,7 +106,6 @@ class Cluster:
             logger.warning("could not check the registry Redis eviction policy")
         self._listener.start()
         self._thread.start()
-        return self
 
     def stop(self) -> None:
         self._stop.set()
@@ -120,7 +131,7 @@ class Cluster:
             self._stop.wait(self._heartbeat_s)
 
     # -- publish: the claim, between "durable here" and "visible anywhere" ------------------
-    def _claim(self, version: int, sha256: str, path: Path, record: dict[str, Any]) -> bool:
+    def claim(self, version: int, sha256: str, path: Path, record: dict[str, Any]) -> bool:
         """Claim ``version`` in the registry; True if created, False if the same weights were
         already there (idempotent). Raises VersionConflict / VersionNotIncreasing /
         Unavailable — then the store rolls the local file back and nothing is acknowledged."""
@@ -214,7 +225,74 @@ class Cluster:
             except Exception:
                 logger.warning("version %d deleted elsewhere stays here for now", version)
 
-    # -- operations the runtime routes here ------------------------------------------------
+    # -- control ------------------------------------------------------------------------
+    def prepare(self, versions: set[int], *, tolerant: bool) -> None:
+        for v in sorted(versions):
+            if self.store.has(v):
+                continue
+            try:
+                self.ensure_local(v)
+            except OldLogitError:
+                if not tolerant:  # a proxy or fallback may answer for a version gone here
+                    raise
+
+    def versions(self) -> tuple[list[VersionInfo], int | None]:
+        """Every replica's view: the registry, with this replica's tiers where local."""
+        local = {r.version: version_info(r) for r in self.store.versions()}
+        try:
+            shared = self.registry.all()
+            watermark = self.registry.watermark()
+        except Unavailable:
+            return list(local.values()), self.store.watermark
+        local_wm = self.store.watermark
+        if watermark is not None and (local_wm is None or local_wm < watermark):
+            # raised on another replica and its event not here yet: apply it before answering,
+            # so a listing right after set_watermark agrees on every replica
+            self.apply_watermark(watermark)
+            local = {r.version: version_info(r) for r in self.store.versions()}
+        for v, rec in shared.items():
+            if watermark is not None and v < watermark:
+                continue
+            local.setdefault(
+                v,
+                VersionInfo(
+                    policy_version=v,
+                    weight_sha256=str(rec["sha256"]),
+                    nbytes=int(rec.get("nbytes", 0)),
+                    tiers=["shared"],
+                    kind=str(rec.get("kind", "keyframe")),
+                ),
+            )
+        return [local[v] for v in sorted(local)], watermark
+
+    def version(self, version: int) -> VersionInfo:
+        if not self.store.has(version):
+            self.ensure_local(version)
+        return version_info(self.store.info(version))
+
+    def create_lease(self, version: int, holder: str, ttl_s: float) -> LeaseInfo:
+        """A lease is a TTL key: it pins the version on every replica."""
+        ttl = check_ttl(ttl_s)
+        if self.registry.get(version) is None:
+            self.ensure_local(version)  # raises UnknownVersion / VersionEvicted
+        rec: Any = self.leases.create(version, holder, ttl)
+        return LeaseInfo(
+            lease_id=str(rec.lease_id),
+            policy_version=int(rec.version),
+            holder=str(rec.holder),
+            ttl_s=float(rec.ttl_s),
+            expires_at=float(rec.expires_at),
+        )
+
+    def release_lease(self, lease_id: str) -> None:
+        self.leases.release(lease_id)
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return self.membership.members()
+
+    def sweep(self) -> None:
+        self.store.sweep()
+
     def set_watermark(self, version: int) -> int:
         wm = self.registry.raise_watermark(version)
         self.apply_watermark(wm)
@@ -234,6 +312,3 @@ class Cluster:
             )
         self.registry.forget(version)
         self._apply_delete(version)
-
-    def members(self) -> list[dict[str, Any]]:
-        return self.membership.members()

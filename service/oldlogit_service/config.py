@@ -86,6 +86,7 @@ class Settings(BaseSettings):
     cache_budget_mib: float = Field(256.0, ge=0)
     publish_roots: list[Path] = Field(default_factory=list)  # publish-by-path allowed under these
     drain_timeout_s: float = Field(30.0, ge=0)
+    sweep_interval_s: float = Field(1.0, gt=0)  # lease expiry and disk retention, periodically
     log_level: str = "INFO"
     # Approximate answers (never exact): the EWMA proxy policy's decay; None disables it.
     ewma_beta: float | None = Field(None, gt=0, lt=1)

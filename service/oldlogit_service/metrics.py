@@ -8,11 +8,14 @@ the store and scheduler at scrape time by a collector, so they are never stale.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from oldlogit_service.cache import CacheStats
+from oldlogit_service.snapshots.records import StoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -20,26 +23,27 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
 
-# Plain store counters: (metric name, help, key in the store's stats).
-_STORE_COUNTERS = (
-    (
-        "oldlogit_weight_load_seconds",
-        "Seconds spent making versions device-resident",
-        "load_seconds",
-    ),
-    ("oldlogit_rebuilds", "Versions rebuilt from a base plus patches", "rebuilds"),
-    ("oldlogit_patches_applied", "Patches applied by rebuilds", "patches_applied"),
-)
+@dataclass(frozen=True)
+class ServiceState:
+    """What metrics and the status page read at scrape time (``Runtime.state``)."""
+
+    store: StoreStats
+    cache: CacheStats
+    queue_depth: int
+    queue_tokens: int
+    ready: bool
+    newest_resident: dict[str, int]  # per memory tier, the newest version it holds (-1: none)
 
 
 class _StateCollector(Collector):
     """Reads live state (tiers, queue, cache, versions) at scrape time."""
 
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], ServiceState]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
         s = self._read()
+        st = s.store
         tier_bytes = GaugeMetricFamily(
             "oldlogit_tier_bytes", "Bytes of weights resident per tier", labels=["tier"]
         )
@@ -49,18 +53,17 @@ class _StateCollector(Collector):
         tier_versions = GaugeMetricFamily(
             "oldlogit_tier_versions", "Versions resident per tier", labels=["tier"]
         )
-        for tier, t in s.get("tiers", {}).items():
-            tier_bytes.add_metric([tier], float(t.get("bytes", 0)))
-            tier_budget.add_metric([tier], float(t.get("budget", 0)))
-            tier_versions.add_metric([tier], float(t.get("versions", 0)))
-        yield tier_bytes
-        yield tier_budget
-        yield tier_versions
         evictions = CounterMetricFamily(
             "oldlogit_evictions", "Versions evicted from a tier", labels=["tier"]
         )
-        for tier, n in s.get("evictions", {}).items():
-            evictions.add_metric([tier], float(n))
+        for tier, t in st.tiers.items():
+            tier_bytes.add_metric([tier], float(t.bytes))
+            tier_budget.add_metric([tier], float(t.budget))
+            tier_versions.add_metric([tier], float(t.versions))
+            evictions.add_metric([tier], float(t.evictions))
+        yield tier_bytes
+        yield tier_budget
+        yield tier_versions
         yield evictions
         loads = CounterMetricFamily(
             "oldlogit_weight_loads",
@@ -68,59 +71,57 @@ class _StateCollector(Collector):
             "read or a rebuild from keyframe + patches; host: a host-tier copy)",
             labels=["source"],
         )
-        loads.add_metric(["disk"], float(s.get("loads_disk", 0)))
-        loads.add_metric(["host"], float(s.get("loads_host", 0)))
+        loads.add_metric(["disk"], float(st.loads_disk))
+        loads.add_metric(["host"], float(st.loads_host))
         yield loads
-        for name, doc, key in _STORE_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0)))
+        yield CounterMetricFamily(
+            "oldlogit_weight_load_seconds",
+            "Seconds spent making versions device-resident",
+            value=st.load_seconds,
+        )
+        yield CounterMetricFamily(
+            "oldlogit_rebuilds", "Versions rebuilt from a base plus patches", value=st.rebuilds
+        )
+        yield CounterMetricFamily(
+            "oldlogit_patches_applied", "Patches applied by rebuilds", value=st.patches_applied
+        )
         yield GaugeMetricFamily(
-            "oldlogit_versions",
-            "Versions retained (acknowledged, not evicted)",
-            value=float(s.get("versions", 0)),
+            "oldlogit_versions", "Versions retained (acknowledged, not evicted)", value=st.versions
         )
         yield GaugeMetricFamily(
             "oldlogit_newest_version",
             "Newest published version (-1: none)",
-            value=float(s.get("newest", -1)),
+            value=-1 if st.newest is None else st.newest,
         )
         resident = GaugeMetricFamily(
             "oldlogit_newest_resident_version",
             "Newest version resident in a memory tier (-1: none)",
             labels=["tier"],
         )
-        for tier, v in s.get("newest_resident", {}).items():
+        for tier, v in s.newest_resident.items():
             resident.add_metric([tier], float(v))
         yield resident
         yield GaugeMetricFamily(
             "oldlogit_watermark",
             "Retention watermark (-1: none)",
-            value=float(s.get("watermark", -1)),
+            value=-1 if st.watermark is None else st.watermark,
         )
-        yield GaugeMetricFamily("oldlogit_leases", "Live leases", value=float(s.get("leases", 0)))
+        yield GaugeMetricFamily("oldlogit_leases", "Live leases", value=st.leases)
         yield GaugeMetricFamily(
-            "oldlogit_queue_depth",
-            "Jobs waiting in the scheduler",
-            value=float(s.get("queue_depth", 0)),
+            "oldlogit_queue_depth", "Jobs waiting in the scheduler", value=s.queue_depth
         )
         yield GaugeMetricFamily(
-            "oldlogit_queue_tokens",
-            "Tokens waiting in the scheduler",
-            value=float(s.get("queue_tokens", 0)),
+            "oldlogit_queue_tokens", "Tokens waiting in the scheduler", value=s.queue_tokens
         )
-        cache = s.get("cache", {})
+        yield CounterMetricFamily("oldlogit_cache_hits", "Result cache hits", value=s.cache.hits)
         yield CounterMetricFamily(
-            "oldlogit_cache_hits", "Result cache hits", value=float(cache.get("hits", 0))
-        )
-        yield CounterMetricFamily(
-            "oldlogit_cache_misses", "Result cache misses", value=float(cache.get("misses", 0))
+            "oldlogit_cache_misses", "Result cache misses", value=s.cache.misses
         )
         yield GaugeMetricFamily(
-            "oldlogit_cache_bytes",
-            "Bytes held by the result cache",
-            value=float(cache.get("bytes", 0)),
+            "oldlogit_cache_bytes", "Bytes held by the result cache", value=s.cache.bytes
         )
         yield GaugeMetricFamily(
-            "oldlogit_ready", "1 when the service can serve", value=float(s.get("ready", 0))
+            "oldlogit_ready", "1 when the service can serve", value=float(s.ready)
         )
 
 
@@ -183,7 +184,7 @@ class Metrics:
         for source in ("forward", "cache"):
             self.scored.labels(source)
 
-    def attach_state(self, read: Callable[[], dict[str, Any]]) -> None:
+    def attach_state(self, read: Callable[[], ServiceState]) -> None:
         self.registry.register(_StateCollector(read))
 
     # SchedulerObserver

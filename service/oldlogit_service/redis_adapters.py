@@ -41,7 +41,7 @@ from oldlogit.errors import (
     VersionConflict,
     VersionNotIncreasing,
 )
-from oldlogit_service.cache import make_key
+from oldlogit_service.cache import CacheStats, make_key
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,8 @@ class RedisResultCache:
     A Redis outage degrades to misses: the cache is an optimisation, never a dependency.
     """
 
+    blocking = True
+
     def __init__(self, client: redis.Redis, namespace: str, *, ttl_s: float = 24 * 3600) -> None:
         self.r = client
         self.ns = f"oldlogit:{namespace}:cache"
@@ -379,36 +381,43 @@ class RedisResultCache:
 
     make_key = staticmethod(make_key)
 
-    def get(self, key: bytes) -> npt.NDArray[np.float32] | None:
+    def get_many(self, keys: list[bytes]) -> list[npt.NDArray[np.float32] | None]:
+        """One round trip (MGET) for a request's keys; an outage is all misses."""
+        if not keys:
+            return []
         try:
-            raw = self.r.get(f"{self.ns}:{key.hex()}")
+            raws = list(self.r.mget([f"{self.ns}:{k.hex()}" for k in keys]))
         except _REDIS_ERRORS:
-            raw = None
+            raws = [None] * len(keys)
             with self._lock:
                 self._errors += 1
-        with self._lock:
+        out: list[npt.NDArray[np.float32] | None] = []
+        for raw in raws:
             if raw is None:
-                self._misses += 1
-                return None
-            self._hits += 1
-        arr = np.frombuffer(raw if isinstance(raw, bytes) else raw.encode("latin-1"), dtype="<f4")
-        arr.setflags(write=False)
-        return arr
+                out.append(None)
+                continue
+            arr = np.frombuffer(raw if isinstance(raw, bytes) else raw.encode("latin-1"), "<f4")
+            arr.setflags(write=False)
+            out.append(arr)
+        with self._lock:
+            hits = sum(a is not None for a in out)
+            self._hits += hits
+            self._misses += len(out) - hits
+        return out
 
-    def put(self, key: bytes, value: npt.NDArray[np.float32]) -> None:
-        data = np.ascontiguousarray(value, dtype="<f4").tobytes()
+    def put_many(self, items: list[tuple[bytes, npt.NDArray[np.float32]]]) -> None:
+        if not items:
+            return
         try:
-            self.r.set(f"{self.ns}:{key.hex()}", data, px=self.ttl_ms)
+            pipe = self.r.pipeline(transaction=False)
+            for key, value in items:
+                data = np.ascontiguousarray(value, dtype="<f4").tobytes()
+                pipe.set(f"{self.ns}:{key.hex()}", data, px=self.ttl_ms)
+            pipe.execute()
         except _REDIS_ERRORS:
             with self._lock:
                 self._errors += 1
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> CacheStats:
         with self._lock:
-            return {
-                "hits": self._hits,
-                "misses": self._misses,
-                "errors": self._errors,
-                "bytes": 0,
-                "entries": 0,
-            }
+            return CacheStats(hits=self._hits, misses=self._misses, errors=self._errors)

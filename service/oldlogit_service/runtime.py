@@ -1,8 +1,11 @@
-"""The one runtime object both transports call: logprobs, publish, versions, leases, info.
+"""The one runtime both transports call: logprobs, publish, versions, leases, info, metrics.
 
-In: contract types (``oldlogit.types``). Out: contract types, or errors of the tree. Flow of a
-logprobs call: validate/plan → resolve each version's weight hash → result cache → scheduler
-(version-aware batches) → stitch per sequence. Nothing here knows HTTP or gRPC.
+In: contract types (``oldlogit.types``) and upload streams. Out: contract types, or errors of
+the tree. This is the one sync/async boundary: every method that may block is async and runs
+its blocking work (disk, Redis, hashing) in a thread, so the transports are one-line
+translators and the event loop never waits. Flow of a logprobs call: validate/plan → make the
+versions servable here (``Control.prepare``) → each version's weight hash → result cache →
+scheduler (version-aware batches) → stitch per sequence. Nothing here knows HTTP or gRPC.
 """
 
 from __future__ import annotations
@@ -10,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
+import os
+import threading
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +32,7 @@ from oldlogit.errors import (
     DeadlineExceeded,
     Forbidden,
     InvalidRequest,
+    LimitExceeded,
     OldLogitError,
     Unauthorized,
     Unavailable,
@@ -41,22 +47,35 @@ from oldlogit.types import (
     VersionInfo,
 )
 from oldlogit_service import __version__
-from oldlogit_service.cache import ResultCache
-from oldlogit_service.cluster import Cluster
+from oldlogit_service.cache import ResultCacheBackend
 from oldlogit_service.config import Settings
+from oldlogit_service.control import Control
 from oldlogit_service.engine import Engine, Job, SamplingParams
 from oldlogit_service.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.history import History
-from oldlogit_service.metrics import Metrics
+from oldlogit_service.metrics import Metrics, ServiceState
 from oldlogit_service.model import LoadedModel
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
-from oldlogit_service.snapshots import SnapshotStore
-from oldlogit_service.snapshots.core import check_version
+from oldlogit_service.snapshots import SnapshotStore, check_version
 from oldlogit_service.validate import Limits, SequencePlan, plan_request
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _LOOPBACK = ("127.", "::1", "localhost", "unix:")
+# Upload bytes gathered before one write in a worker thread (the event loop never writes).
+_UPLOAD_FLUSH_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StatusView:
+    """What the status page shows, read in one go (``Runtime.status_page``)."""
+
+    info: Info
+    state: ServiceState
+    versions: list[VersionInfo]
+    history: History
 
 
 @dataclass
@@ -69,19 +88,6 @@ class _Pending:
     future: Future[npt.NDArray[np.float32]] | None = None
 
 
-def _record_to_info(rec: Any) -> VersionInfo:
-    return VersionInfo(
-        policy_version=int(rec.version),
-        weight_sha256=str(rec.sha256),
-        nbytes=int(rec.nbytes),
-        tiers=sorted(str(t) for t in rec.tiers),
-        kind=str(getattr(rec, "kind", "keyframe")),
-        parent=getattr(rec, "parent", None),
-        leases=int(getattr(rec, "leases", 0)),
-        created_at=float(getattr(rec, "created_at", 0.0)),
-    )
-
-
 class Runtime:
     def __init__(
         self,
@@ -89,13 +95,13 @@ class Runtime:
         model: LoadedModel,
         store: SnapshotStore,
         engine: Engine,
-        cache: ResultCache,
+        cache: ResultCacheBackend,
+        control: Control,
         metrics: Metrics | None = None,
         ewma: EwmaProxy | None = None,
-        cluster: Cluster | None = None,
     ) -> None:
         self.settings = settings
-        self.cluster = cluster  # scale-out through Redis; None on the embedded default
+        self.control = control  # local, or scale-out through Redis: chosen at start-up
         self.ewma = ewma  # the approximate proxy policy; None unless --ewma-beta
         self.model = model
         self.store = store
@@ -126,6 +132,8 @@ class Runtime:
         self.numerics = f"{self.numerics_spec.key}/{mode}"
         self._ready = True
         self._draining = False
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
         self.metrics.attach_state(self.state)
         self.history = History()  # the status page's charts; `serve` runs its sampler
 
@@ -133,6 +141,21 @@ class Runtime:
     @property
     def ready(self) -> bool:
         return self._ready and not self._draining
+
+    def start(self, *, http: str, grpc: str) -> None:
+        """Join the deployment and start the periodic sweeper (lease expiry, retention)."""
+        self.control.start(http=http, grpc=grpc, queue_depth=lambda: self.scheduler.depth)
+        self._sweeper = threading.Thread(
+            target=self._sweep_loop, name="oldlogit-sweeper", daemon=True
+        )
+        self._sweeper.start()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.settings.sweep_interval_s):
+            try:
+                self.control.sweep()
+            except Exception:
+                logger.exception("the periodic sweep failed; the next one retries")
 
     def start_draining(self) -> None:
         """Not-ready first (load balancers stop sending), then the caller drains and stops."""
@@ -143,27 +166,39 @@ class Runtime:
 
     def close(self) -> None:
         self._ready = False
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=10)
+        self.control.stop()
         self.scheduler.close()
         if self.ewma is not None:
             self.ewma.close()
 
-    def state(self) -> dict[str, Any]:
-        st: dict[str, Any] = dict(self.store.stats())
-        st["queue_depth"] = self.scheduler.depth
-        st["queue_tokens"] = self.scheduler.queued_tokens
-        st["cache"] = self.cache.stats()
-        st["ready"] = 1 if self.ready else 0
-        # Newest version held in each memory tier (-1: none), against "newest" (published).
+    def state(self) -> ServiceState:
         records = self.store.versions()
-        st["newest_resident"] = {
-            t: max((int(r.version) for r in records if t in r.tiers), default=-1)
+        newest = {
+            t: max((r.version for r in records if t in r.tiers), default=-1)
             for t in ("device", "host")
         }
-        return st
+        return ServiceState(
+            store=self.store.stats(),
+            cache=self.cache.stats(),
+            queue_depth=self.scheduler.depth,
+            queue_tokens=self.scheduler.queued_tokens,
+            ready=self.ready,
+            newest_resident=newest,
+        )
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args)
+
+    async def _cache(self, fn: Callable[..., T], *args: Any) -> T:
+        """A result-cache call: in a thread when the cache waits on the network."""
+        return await asyncio.to_thread(fn, *args) if self.cache.blocking else fn(*args)
 
     # -- auth ----------------------------------------------------------------------------
     def authorize(self, *, write: bool, token: str | None, peer: str | None) -> None:
-        """Check the bearer token; called by both transports before any operation."""
+        """Check the bearer token; both transports call this before anything else."""
         s = self.settings
         write_token = s.write_token.get_secret_value() if s.write_token else None
         read_token = s.read_token.get_secret_value() if s.read_token else None
@@ -202,12 +237,9 @@ class Runtime:
         deadline = time.monotonic() + timeout
         snap = self.ewma.snapshot() if self.ewma is not None else None  # one view per request
         wanted = {v for p in plans for v in p.jobs}
-        if self.cluster is not None:
-            for v in wanted:
-                if not self.store.has(v):  # published on another replica: adopt it
-                    await asyncio.to_thread(
-                        self._adopt_or_none, v, req.allow_inexact or req.proxy is not None
-                    )
+        tolerant = req.allow_inexact or req.proxy is not None
+        if any(not self.store.has(v) for v in wanted):  # published elsewhere: adopt it
+            await self._blocking(lambda: self.control.prepare(wanted, tolerant=tolerant))
         hashes, proxied = resolve_hashes(
             wanted,
             self.store.sha256,  # UnknownVersion / VersionEvicted
@@ -228,7 +260,12 @@ class Runtime:
                         token_ids=plan.token_ids,
                         positions=pos,
                     )
-                pending.append(_Pending(plan, v, pos, key, self.cache.get(key) if key else None))
+                pending.append(_Pending(plan, v, pos, key))
+        keyed = [p for p in pending if p.key is not None]
+        if keyed:
+            found = await self._cache(self.cache.get_many, [p.key for p in keyed])
+            for p, value in zip(keyed, found, strict=True):
+                p.value = value
         try:
             for p in pending:
                 if p.value is None:
@@ -257,11 +294,14 @@ class Runtime:
                         f"no answer within timeout_s={timeout:g}", parameter="timeout_s"
                     ) from exc
                 it = iter(results)
+                fresh: list[tuple[bytes, npt.NDArray[np.float32]]] = []
                 for p in pending:
                     if p.future is not None:
                         p.value = next(it)
                         if p.key is not None:
-                            self.cache.put(p.key, p.value)
+                            fresh.append((p.key, p.value))
+                if fresh:
+                    await self._cache(self.cache.put_many, fresh)
         finally:
             for p in pending:  # cancelled or failed requests leave nothing queued behind
                 if p.future is not None and not p.future.done():
@@ -306,28 +346,65 @@ class Runtime:
             self.metrics.scored.labels("forward").inc(computed_n)
         return out
 
-    # -- versions ------------------------------------------------------------------------
-    async def publish_file(
-        self, version: int, path: Path, *, sha256: str | None, move: bool
+    # -- publish -------------------------------------------------------------------------
+    async def publish_stream(
+        self,
+        version: int,
+        chunks: AsyncIterator[bytes],
+        *,
+        sha256: str | None,
+        delta: bool = False,
+        parent: int | None = None,
+        parameter: str = "body",
     ) -> PublishResult:
+        """The one upload path of both transports: a safetensors body (``delta``: the changed
+        elements against ``parent``) streamed to the staging directory (same filesystem as the
+        store, so a full publish is a rename), within the upload limit, then published."""
         check_version(version)
-        return await self._publish(
-            lambda: self.store.publish_file(version, path, expected_sha256=sha256, move=move)
-        )
-
-    async def publish_delta_file(
-        self, version: int, path: Path, *, sha256: str | None, parent: int | None
-    ) -> PublishResult:
-        """A delta upload (changed elements only) against ``parent`` (None: the file's, else
-        the newest retained); ``ParentMissing`` when the store lacks it."""
-        check_version(version)
-        return await self._publish(
-            lambda: self.store.publish_delta(version, path, parent=parent, expected_sha256=sha256)
-        )
+        if parent is not None and not delta:
+            raise InvalidRequest("parent applies to delta uploads only", parameter="parent")
+        limit = int(self.settings.max_upload_gib * 1024**3)
+        staging = self.store.staging_dir
+        tmp = staging / f"upload-{version}-{uuid.uuid4().hex}.safetensors.part"
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                batch: list[bytes] = []
+                held = 0
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > limit:
+                        raise LimitExceeded(
+                            f"the upload exceeds the limit of {limit} bytes", parameter=parameter
+                        )
+                    batch.append(chunk)
+                    held += len(chunk)
+                    if held >= _UPLOAD_FLUSH_BYTES:
+                        await self._blocking(f.writelines, batch)
+                        batch, held = [], 0
+                if batch:
+                    await self._blocking(f.writelines, batch)
+            if size == 0:
+                raise InvalidRequest(
+                    "the upload is empty: send a safetensors file", parameter=parameter
+                )
+            if delta:
+                return await self._publish(
+                    lambda: self.store.publish_delta(
+                        version, tmp, parent=parent, expected_sha256=sha256
+                    )
+                )
+            return await self._publish(
+                lambda: self.store.publish_file(version, tmp, expected_sha256=sha256, move=True)
+            )
+        finally:
+            if tmp.exists():
+                await self._blocking(os.unlink, tmp)
 
     async def publish_weights(
         self, version: int, weights: Mapping[str, torch.Tensor], *, sha256: str | None
     ) -> PublishResult:
+        """In-process publish of a state dict (tests, embedding)."""
         check_version(version)
         return await self._publish(
             lambda: self.store.publish(version, weights, expected_sha256=sha256)
@@ -351,11 +428,13 @@ class Runtime:
                 "publish by path is disabled: start the service with --publish-root DIR",
                 parameter="path",
             )
-        if not path or "\x00" in path or len(path) > 4096:
+        if not path or "\\x00" in path or len(path) > 4096:
             raise InvalidRequest(
                 "path must be a non-empty file system path (no NUL bytes, at most 4096 chars)",
                 parameter="path",
             )
+        if parent is not None and not delta:
+            raise InvalidRequest("parent applies to delta publishes only", parameter="parent")
         try:
             target = Path(path).resolve()  # symlinks resolved: no escaping a root via a link
         except (OSError, ValueError, RuntimeError) as exc:
@@ -373,18 +452,20 @@ class Runtime:
                 raise InvalidRequest(
                     f"path {path!r}: a delta is one safetensors file", parameter="path"
                 )
-            return await self.publish_delta_file(version, target, sha256=sha256, parent=parent)
-        if parent is not None:
-            raise InvalidRequest("parent applies to delta publishes only", parameter="parent")
+            return await self._publish(
+                lambda: self.store.publish_delta(
+                    version, target, parent=parent, expected_sha256=sha256
+                )
+            )
         return await self._publish(
             lambda: self.store.publish(version, target, expected_sha256=sha256)
         )
 
-    async def _publish(self, do: Any) -> PublishResult:
+    async def _publish(self, do: Callable[[], Any]) -> PublishResult:
         start = time.perf_counter()
         code = "ok"
         try:
-            out = await asyncio.to_thread(do)
+            out = await self._blocking(do)
         except OldLogitError as exc:
             code = exc.code
             raise
@@ -396,7 +477,7 @@ class Runtime:
             self.metrics.publish_seconds.labels(code).observe(time.perf_counter() - start)
         if self.ewma is not None:
             try:  # the version is visible already; a failed fold is retried on the next publish
-                await asyncio.to_thread(self.ewma.catch_up, self.store)
+                await self._blocking(self.ewma.catch_up, self.store)
             except Exception:
                 logger.exception("ewma: folding in version %s failed", out.version)
         return PublishResult(
@@ -404,99 +485,41 @@ class Runtime:
             weight_sha256=str(out.sha256),
             created=bool(out.created),
             nbytes=int(out.nbytes),
-            kind=str(getattr(out, "kind", "keyframe")),
+            kind=str(out.kind),
         )
 
-    def _adopt_or_none(self, version: int, tolerant: bool) -> None:
-        assert self.cluster is not None
-        try:
-            self.cluster.ensure_local(version)
-        except OldLogitError:
-            if not tolerant:  # with a proxy/fallback allowed, resolve_hashes decides
-                raise
+    # -- versions, leases, watermark -----------------------------------------------------
+    async def versions(self) -> tuple[list[VersionInfo], int | None]:
+        return await self._blocking(self.control.versions)
 
-    def versions(self) -> tuple[list[VersionInfo], int | None]:
-        local = {r.version: _record_to_info(r) for r in self.store.versions()}
-        if self.cluster is None:
-            return list(local.values()), self.store.watermark
-        try:  # every replica's view: the registry, with this replica's tiers where local
-            shared = self.cluster.registry.all()
-            watermark = self.cluster.registry.watermark()
-        except Unavailable:
-            return list(local.values()), self.store.watermark
-        local_wm = self.store.watermark
-        if watermark is not None and (local_wm is None or local_wm < watermark):
-            # raised on another replica and its event not here yet: apply it before answering,
-            # so a listing right after set_watermark agrees on every replica
-            self.cluster.apply_watermark(watermark)
-            local = {r.version: _record_to_info(r) for r in self.store.versions()}
-        for v, rec in shared.items():
-            if watermark is not None and v < watermark:
-                continue
-            local.setdefault(
-                v,
-                VersionInfo(
-                    policy_version=v,
-                    weight_sha256=str(rec["sha256"]),
-                    nbytes=int(rec.get("nbytes", 0)),
-                    tiers=["shared"],
-                    kind=str(rec.get("kind", "keyframe")),
-                ),
-            )
-        return [local[v] for v in sorted(local)], watermark
-
-    def version(self, version: int) -> VersionInfo:
-        if self.cluster is not None and not self.store.has(version):
-            self.cluster.ensure_local(version)
-        return _record_to_info(self.store.info(version))
+    async def version(self, version: int) -> VersionInfo:
+        return await self._blocking(self.control.version, check_version(version))
 
     async def delete_version(self, version: int) -> None:
-        if self.cluster is not None:
-            await asyncio.to_thread(self.cluster.delete, version)
-            return
-        await asyncio.to_thread(self.store.delete, version)
+        await self._blocking(self.control.delete, check_version(version))
 
     async def set_watermark(self, version: int) -> int:
-        check_version(version)
-        if self.cluster is not None:
-            return await asyncio.to_thread(self.cluster.set_watermark, version)
-        await asyncio.to_thread(self.store.set_watermark, version)
-        wm = self.store.watermark
-        return int(wm if wm is not None else version)
+        return await self._blocking(self.control.set_watermark, check_version(version))
 
-    def replicas(self) -> list[dict[str, Any]]:
-        if self.cluster is None:
-            return []
-        return self.cluster.members()
-
-    def create_lease(self, version: int, holder: str, ttl_s: float) -> LeaseInfo:
-        if not (math.isfinite(ttl_s) and 0 < ttl_s <= 7 * 24 * 3600):
-            raise InvalidRequest(
-                f"ttl_s must be in (0, 604800] seconds, got {ttl_s!r}", parameter="ttl_s"
-            )
-        if self.cluster is not None:  # a lease pins the version on every replica
-            if self.cluster.registry.get(version) is None:
-                self.cluster.ensure_local(version)  # raises UnknownVersion / VersionEvicted
-            rec: Any = self.cluster.leases.create(version, holder, ttl_s)
-        else:
-            rec = self.store.lease(version, holder, ttl_s)
-        return LeaseInfo(
-            lease_id=str(rec.lease_id),
-            policy_version=int(rec.version),
-            holder=str(rec.holder),
-            ttl_s=float(rec.ttl_s),
-            expires_at=float(rec.expires_at),
+    async def create_lease(self, version: int, holder: str, ttl_s: float) -> LeaseInfo:
+        return await self._blocking(
+            self.control.create_lease, check_version(version), holder, float(ttl_s)
         )
 
-    def release_lease(self, lease_id: str) -> None:
-        if self.cluster is not None:
-            self.cluster.leases.release(lease_id)
-            return
-        self.store.release(lease_id)
+    async def release_lease(self, lease_id: str) -> None:
+        await self._blocking(self.control.release_lease, lease_id)
 
-    def info(self) -> Info:
+    async def replicas(self) -> list[dict[str, Any]]:
+        return await self._blocking(self.control.replicas)
+
+    # -- introspection -------------------------------------------------------------------
+    async def info(self) -> Info:
+        return await self._blocking(self._info)
+
+    def _info(self) -> Info:
         s = self.settings
         m = self.model
+        spec = self.numerics_spec
         return Info(
             model_type=m.model_type,
             architecture=m.architecture,
@@ -518,12 +541,26 @@ class Runtime:
                 "max_upload_gib": s.max_upload_gib,
                 "request_timeout_s": s.request_timeout_s,
             },
-            versions=[int(r.version) for r in self.store.versions()],
+            versions=[r.version for r in self.store.versions()],
             watermark=self.store.watermark,
             server_version=__version__,
-            numerics=self.numerics_spec.profile,
-            tile_rows=self.numerics_spec.tile_rows,
-            threads=self.numerics_spec.threads,
-            lm_head_fp32=self.numerics_spec.lm_head_fp32,
-            attention=self.numerics_spec.attention,
+            numerics=spec.profile,
+            tile_rows=spec.tile_rows,
+            threads=spec.threads,
+            lm_head_fp32=spec.lm_head_fp32,
+            attention=spec.attention,
         )
+
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the collector reads the store's and the cache's state (locks, maybe
+        Redis), so it renders in a thread."""
+        return await self._blocking(self.metrics.render)
+
+    async def status_page(self, render: Callable[[StatusView], str]) -> str:
+        """The status page, rendered from one read of the live state (in a thread)."""
+
+        def build() -> str:
+            view = StatusView(self._info(), self.state(), self.control.versions()[0], self.history)
+            return render(view)
+
+        return await self._blocking(build)

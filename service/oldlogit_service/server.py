@@ -26,8 +26,9 @@ import uvicorn
 from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app
 from oldlogit_service.cache import ResultCache
-from oldlogit_service.cluster import Cluster, advertised_address, default_replica_id
+from oldlogit_service.cluster import ClusterControl, advertised_address, default_replica_id
 from oldlogit_service.config import Settings
+from oldlogit_service.control import Control, LocalControl
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
 from oldlogit_service.engine import Engine, self_check
 from oldlogit_service.ewma import EwmaProxy
@@ -75,6 +76,11 @@ def build_runtime(settings: Settings) -> Runtime:
     # stored whole there: a patch can only be adopted with its chain.
     root = settings.snapshot_dir / "replicas" / replica_id if clustered else settings.snapshot_dir
     root.mkdir(parents=True, exist_ok=True)
+    cluster = (
+        ClusterControl(settings.redis_url, settings.namespace, replica_id)
+        if settings.redis_url is not None
+        else None
+    )
     store = SnapshotStore(
         root,
         param_specs=model.param_specs,
@@ -85,10 +91,10 @@ def build_runtime(settings: Settings) -> Runtime:
         max_versions=settings.max_versions,
         keyframe_every=1 if clustered else settings.keyframe_every,
         keyframe_chain_fraction=settings.keyframe_chain_fraction,
+        claim=cluster.claim if cluster is not None else None,
+        pinned_elsewhere=cluster.leased_versions if cluster is not None else None,
     )
-    cluster = None
-    if settings.redis_url is not None:
-        cluster = Cluster(settings.redis_url, settings.namespace, replica_id, store)
+    control: Control = cluster.bind(store) if cluster is not None else LocalControl(store)
     if not store.versions() and store.newest is None:
         if settings.demo:
             publish_demo_versions(store, model_dir, model)
@@ -128,7 +134,7 @@ def build_runtime(settings: Settings) -> Runtime:
             state_dir=settings.snapshot_dir / "ewma",
         )
         ewma.catch_up(store)  # versions published before (or while it was off)
-    return Runtime(settings, model, store, engine, cache, ewma=ewma, cluster=cluster)
+    return Runtime(settings, model, store, engine, cache, control, ewma=ewma)
 
 
 def _check_numerics(engine: Engine, store: SnapshotStore, model: LoadedModel) -> None:
@@ -219,13 +225,11 @@ async def serve(
         await http_task  # raises the start-up error
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     bound = Bound(http=f"{host}:{http_port}", grpc=f"{host}:{grpc_port}")
-    if rt.cluster is not None:
-        # The membership lists where others reach us, not where we bound (0.0.0.0 is no address).
-        rt.cluster.start(
-            http=advertised_address(settings.host, http_port, settings.advertise_host),
-            grpc=advertised_address(settings.host, grpc_port, settings.advertise_host),
-            queue_depth=lambda: rt.scheduler.depth,
-        )
+    # The membership lists where others reach us, not where we bound (0.0.0.0 is no address).
+    rt.start(
+        http=advertised_address(settings.host, http_port, settings.advertise_host),
+        grpc=advertised_address(settings.host, grpc_port, settings.advertise_host),
+    )
     if on_ready is not None:
         on_ready(bound, rt)
     try:
@@ -239,8 +243,6 @@ async def serve(
             logger.warning("drain timed out; remaining requests are failed as unavailable")
         await grpc_server.stop(grace=min(5.0, settings.drain_timeout_s))
         http_server.should_exit = True
-        if rt.cluster is not None:
-            rt.cluster.stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_task, timeout=settings.drain_timeout_s + 5)
         sampler.cancel()

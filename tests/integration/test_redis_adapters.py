@@ -133,13 +133,13 @@ def test_result_cache_and_outage_degrades_to_misses(tmp_path: Any) -> None:
         assert check_eviction_policy(client, want="allkeys-lru", role="cache") == "allkeys-lru"
         cache = RedisResultCache(client, "t")
         v = np.array([-1.5, -np.inf, 0.25], dtype=np.float32)
-        assert cache.get(b"k1") is None
-        cache.put(b"k1", v)
-        got = cache.get(b"k1")
+        assert cache.get_many([b"k1"])[0] is None
+        cache.put_many([(b"k1", v)])
+        got = cache.get_many([b"k1"])[0]
         assert got is not None and np.array_equal(got, v)
         srv.stop()
-        assert cache.get(b"k1") is None  # not an error: a miss
-        assert cache.stats()["errors"] >= 1
+        assert cache.get_many([b"k1"])[0] is None  # not an error: a miss
+        assert cache.stats().errors >= 1
     finally:
         srv.stop()
 

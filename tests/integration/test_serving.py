@@ -123,7 +123,7 @@ def test_batch_of_sequences_and_cache(served: Served, transport: str) -> None:
         assert np.array_equal(b.logprobs, ref, equal_nan=True)
         if a.versions:
             assert b.cached is True
-    assert served.server.runtime.cache.stats()["hits"] > 0  # type: ignore[union-attr]
+    assert served.server.runtime.cache.stats().hits > 0  # type: ignore[union-attr]
 
 
 def test_out_of_support_tokens_are_minus_inf(served: Served, transport: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from oldlogit_service.cache import ResultCache, ResultCacheBackend, make_key
+from oldlogit_service.cache import CacheStats, ResultCache, ResultCacheBackend, make_key
 
 SHA = "ab" * 32
 
@@ -71,7 +71,7 @@ def test_lru_bounded_by_bytes() -> None:
     keys = [key(positions=np.array([i])) for i in range(5)]
     for i in range(3):
         c.put(keys[i], arr(100, i))
-    assert c.stats()["bytes"] == 3 * cost and len(c) == 3
+    assert c.stats().bytes == 3 * cost and len(c) == 3
     assert c.get(keys[0]) is not None  # 0 becomes most recently used
     c.put(keys[3], arr(100, 3))  # evicts 1, the least recently used
     assert c.get(keys[1]) is None
@@ -80,11 +80,11 @@ def test_lru_bounded_by_bytes() -> None:
     c.put(keys[4], arr(150, 4))  # needs about two slots: evicts 2 and 3
     assert [c.get(k) is not None for k in keys] == [True, False, False, False, True]
     st = c.stats()
-    assert st["bytes"] <= 3 * cost and st["entries"] == 2 and st["evictions"] == 3
+    assert st.bytes <= 3 * cost and st.entries == 2 and st.evictions == 3
     c.put(keys[0], arr(2000))  # larger than the whole cache: not stored, nothing evicted
-    assert c.get(keys[4]) is not None and c.stats()["bytes"] <= 3 * cost
+    assert c.get(keys[4]) is not None and c.stats().bytes <= 3 * cost
     c.put(keys[4], arr(10, 9))  # replacing an entry re-accounts its bytes
-    assert c.stats()["bytes"] == cost + 10 * 4 + 32 and c.stats()["entries"] == 2
+    assert c.stats().bytes == cost + 10 * 4 + 32 and c.stats().entries == 2
 
 
 def test_values_are_private_and_read_only() -> None:
@@ -104,14 +104,7 @@ def test_disabled_at_zero() -> None:
     assert not c.enabled
     c.put(key(), arr(4))
     assert c.get(key()) is None
-    assert c.stats() == {
-        "hits": 0,
-        "misses": 1,
-        "bytes": 0,
-        "max_bytes": 0,
-        "entries": 0,
-        "evictions": 0,
-    }
+    assert c.stats() == CacheStats(hits=0, misses=1, bytes=0, max_bytes=0, entries=0, evictions=0)
     with pytest.raises(ValueError):
         ResultCache(-1)
 
@@ -124,9 +117,9 @@ def test_stats_and_protocol() -> None:
     c.get(key())
     c.get(key())
     st = c.stats()
-    assert (st["hits"], st["misses"], st["entries"]) == (2, 1, 1)
+    assert (st.hits, st.misses, st.entries) == (2, 1, 1)
     c.clear()
-    assert c.stats()["bytes"] == 0 and c.get(key()) is None
+    assert c.stats().bytes == 0 and c.get(key()) is None
 
 
 def test_thread_safety_smoke() -> None:
@@ -143,7 +136,7 @@ def test_thread_safety_smoke() -> None:
                     c.put(k, arr(16, float((t * 7 + i) % 50)))
                 else:
                     assert hit[0] == float((t * 7 + i) % 50)
-                assert c.stats()["bytes"] <= 20 * cost
+                assert c.stats().bytes <= 20 * cost
         except BaseException as exc:
             errors.append(exc)
 
@@ -154,5 +147,5 @@ def test_thread_safety_smoke() -> None:
         th.join()
     assert not errors
     st = c.stats()
-    assert st["entries"] <= 20 and st["bytes"] == st["entries"] * cost
-    assert st["hits"] + st["misses"] == 8 * 400
+    assert st.entries <= 20 and st.bytes == st.entries * cost
+    assert st.hits + st.misses == 8 * 400

@@ -10,8 +10,10 @@ import re
 import pytest
 
 from oldlogit_service.api.status_page import _chart
+from oldlogit_service.cache import CacheStats
 from oldlogit_service.history import History, Sample, read_registry, sample_forever
-from oldlogit_service.metrics import Metrics
+from oldlogit_service.metrics import Metrics, ServiceState
+from oldlogit_service.snapshots.records import LaggingStats, StoreStats
 
 
 def values(
@@ -61,7 +63,30 @@ def test_resets_clock_steps_and_the_ring_bound() -> None:
 
 async def test_sampler_reads_a_real_registry_until_cancelled() -> None:
     m = Metrics()
-    m.attach_state(lambda: {"queue_depth": 2, "cache": {"hits": 1, "misses": 3}})
+    store = StoreStats(
+        tiers={},
+        versions=0,
+        newest=None,
+        watermark=None,
+        leases=0,
+        tombstones=0,
+        in_use=0,
+        publishes=0,
+        snapshot_bytes=0,
+        patch_bytes=0,
+        load_seconds=0.0,
+        device_hits=0,
+        loads_disk=0,
+        loads_host=0,
+        load_waits=0,
+        bytes_read=0,
+        verified_loads=0,
+        rebuilds=0,
+        patches_applied=0,
+        lagging=LaggingStats(),
+    )
+    state = ServiceState(store, CacheStats(hits=1, misses=3), 2, 0, True, {})
+    m.attach_state(lambda: state)
     m.on_batch(version=0, items=1, tokens=64, seconds=0.01)
     read = read_registry(m.registry)
     assert read["oldlogit_tokens_total"] == 64 and read["oldlogit_queue_depth"] == 2

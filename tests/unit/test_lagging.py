@@ -106,22 +106,22 @@ def test_lagging_model_advances_by_patches(tmp_path: Path) -> None:
         for v in (1, 2, 3, 3, 5, 7, 8, 9):
             with s.acquire_lagging(v) as got:
                 assert all(same(got[k], ws[v][k]) for k in ws[v]), v
-        lag = s.stats()["lagging"]
+        lag = s.stats().lagging
         # Loaded once at 1 and once at 5 (4 is a keyframe: no patch leads there from 3),
         # then advanced patch by patch: 1->2->3, 5->6->7, 7->8 (a keyframe: a reload), 8->9.
-        assert lag["reloads"] == 3 and lag["patches_applied"] == 2 + 2 + 1
+        assert lag.reloads == 3 and lag.patches_applied == 2 + 2 + 1
         assert s._lagging is not None and s._lagging.version == 9
         # A version it has passed comes from the snapshot path...
         with s.acquire_lagging(2) as got:
             assert all(same(got[k], ws[2][k]) for k in ws[2])
-        assert s.stats()["lagging"]["passed"] == 1
+        assert s.stats().lagging.passed == 1
         # ... and is refused once the store no longer retains it.
         s.set_watermark(4)
         with pytest.raises(VersionEvicted, match="policy_version 2"), s.acquire_lagging(2):
             pass
         assert_all_served(s, {v: ws[v] for v in range(4, 10)})
-        st = s.stats()["tiers"]["device"]
-        assert st["peak_bytes"] <= 4 * 10**6 + s.snapshot_nbytes
+        st = s.stats().tiers["device"]
+        assert st.peak_bytes <= 4 * 10**6 + s.snapshot_nbytes
 
 
 def test_lagging_runtime_bitwise_equal_to_reference(
@@ -160,13 +160,13 @@ def test_lagging_runtime_bitwise_equal_to_reference(
             return out
 
         got = asyncio.run(ask())
-        lag = rt.store.stats()["lagging"]
-        assert lag["patches_applied"] > 0 and lag["passed"] == 0
+        lag = rt.store.stats().lagging
+        assert lag.patches_applied > 0 and lag.passed == 0
         late = asyncio.run(  # a version the lagging model has passed: snapshot path
             rt.logprobs(LogprobsRequest(sequences=[cases[0]], use_cache=False))
         )
         assert np.array_equal(late.results[0].logprobs, got[0], equal_nan=True)
-        assert rt.store.stats()["lagging"]["passed"] == 1
+        assert rt.store.stats().lagging.passed == 1
     finally:
         rt.close()
         rt.store.close()
@@ -222,7 +222,7 @@ def test_lagging_loop_with_real_store_concurrent_clients(tmp_path: Path) -> None
 
         for v, tag in results:
             assert tag == float(ws[v]["w"].view(torch.int32).to(torch.int64).sum())
-        assert s.stats()["lagging"]["patches_applied"] > 0
+        assert s.stats().lagging.patches_applied > 0
 
 
 def test_strategy_and_keyframe_settings_from_flags_and_env(

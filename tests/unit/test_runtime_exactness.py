@@ -119,8 +119,8 @@ def test_deterministic_mode_bitwise_through_every_tier(
     try:
         got = asyncio.run(_serve_all(rt, cases, rng))
         stats = rt.store.stats()
-        assert stats["tiers"]["device"]["evictions"] > 0, stats  # weights came back from disk
-        assert stats["tiers"]["device"]["peak_bytes"] <= budget_gib * 1024**3 + one * itemsize
+        assert stats.tiers["device"].evictions > 0, stats  # weights came back from disk
+        assert stats.tiers["device"].peak_bytes <= budget_gib * 1024**3 + one * itemsize
     finally:
         rt.close()
         rt.store.close()
@@ -206,8 +206,8 @@ def test_cuda_deterministic_bitwise_with_host_tier(
     try:
         got = asyncio.run(_serve_all(rt, cases, rng))
         stats = rt.store.stats()
-        assert stats["tiers"]["device"]["evictions"] > 0
-        assert stats["tiers"]["host"]["versions"] > 0
+        assert stats.tiers["device"].evictions > 0
+        assert stats.tiers["host"].versions > 0
     finally:
         rt.close()
         rt.store.close()

@@ -77,8 +77,8 @@ def test_delta_rebuilt_versions_bitwise(
         assert kinds == ["keyframe", "patch", "patch", "keyframe", "patch", "patch"]
         got = asyncio.run(_serve_all(rt, cases, rng))
         st = rt.store.stats()
-        assert st["rebuilds"] > 0 and st["tiers"]["device"]["evictions"] > 0
-        assert st["tiers"]["device"]["peak_bytes"] <= budget_gib * 1024**3 + one
+        assert st.rebuilds > 0 and st.tiers["device"].evictions > 0
+        assert st.tiers["device"].peak_bytes <= budget_gib * 1024**3 + one
     finally:
         rt.close()
         rt.store.close()
@@ -98,7 +98,7 @@ def test_delta_rebuilt_versions_bitwise(
         again = asyncio.run(_serve_all(rt2, cases[:15], random.Random(5)))
         for a, b in zip(again, got[:15], strict=True):
             assert np.array_equal(a, b, equal_nan=True)
-        assert rt2.store.stats()["verified_loads"] > 0
+        assert rt2.store.stats().verified_loads > 0
         asyncio.run(rt2.delete_version(0))
         assert rt2.store.info(1).kind == "keyframe" and rt2.store.info(2).parent == 1
         keep = [

@@ -264,20 +264,20 @@ def test_leases(tmp_path: Path) -> None:
         rec = s.lease(0, "worker-1", 10)
         assert rec.version == 0 and rec.expires_at == clock.t + 10
         assert s.info(0).leases == 1
-        clock.t += 8
-        rec2 = s.renew(rec.lease_id, 10)
-        assert rec2.expires_at == clock.t + 10
-        clock.t += 9  # past the original expiry, not the renewed one
+        clock.t += 9
+        s.sweep()  # not expired yet
         assert s.info(0).leases == 1
         clock.t += 2
-        assert s.info(0).leases == 0  # expired lazily
+        assert s.info(0).leases == 1  # reads have no side effects: expiry is the sweep's
+        s.sweep()
+        assert s.info(0).leases == 0
         with pytest.raises(UnknownLease) as el:
             s.release(rec.lease_id)
         assert el.value.parameter == "lease_id"
         rec3 = s.lease(0, "w", 5)
         assert s.release(rec3.lease_id).lease_id == rec3.lease_id
         with pytest.raises(UnknownLease):
-            s.renew(rec3.lease_id, 5)
+            s.release(rec3.lease_id)
 
 
 def test_watermark_and_leases(tmp_path: Path) -> None:
@@ -299,7 +299,9 @@ def test_watermark_and_leases(tmp_path: Path) -> None:
         assert s.set_watermark(3) == 3  # equal: a no-op
         s.lease(3, "rollout", 5)
         s.set_watermark(4)
-        clock.t += 6  # the lease expires: its version goes on the next operation
+        clock.t += 6  # the lease expires: its version goes on the next sweep
+        assert [r.version for r in s.versions()] == [3, 4]  # a read changes nothing
+        s.sweep()
         assert [r.version for r in s.versions()] == [4]
         with pytest.raises(VersionEvicted) as ei, s.acquire(3):
             pass
@@ -329,7 +331,7 @@ def test_delete(store: SnapshotStore) -> None:
     with store.acquire(2) as w:
         store.delete(2)
         assert bits_equal(w["layers.0.w"], make_sd(2)["layers.0.w"])
-    assert store.stats()["tiers"]["device"]["bytes"] == 0  # its memory went with the pin
+    assert store.stats().tiers["device"].bytes == 0  # its memory went with the pin
     with pytest.raises(VersionEvicted):
         store.info(2)
 
@@ -354,8 +356,8 @@ def test_device_lru_and_transparent_reload(tmp_path: Path) -> None:
         assert _resident(s) == [1, 3]
         assert_served(s, 0)  # evicted from memory earlier: reloaded from disk
         st = s.stats()
-        assert st["tiers"]["device"]["evictions"] == 3 and st["loads_disk"] == 5
-        assert st["tiers"]["device"]["peak_bytes"] <= 3 * SNAP
+        assert st.tiers["device"].evictions == 3 and st.loads_disk == 5
+        assert st.tiers["device"].peak_bytes <= 3 * SNAP
 
 
 def test_pinned_overflow_is_bounded(tmp_path: Path) -> None:
@@ -363,10 +365,10 @@ def test_pinned_overflow_is_bounded(tmp_path: Path) -> None:
         for v in range(3):
             s.publish(v, make_sd(v))
         with s.acquire(0), s.acquire(1):  # budget + one: allowed
-            assert s.stats()["tiers"]["device"]["bytes"] == 2 * SNAP
+            assert s.stats().tiers["device"].bytes == 2 * SNAP
             with pytest.raises(Overloaded), s.acquire(2):  # budget + two would break the bound
                 pass
-        assert s.stats()["tiers"]["device"]["bytes"] <= SNAP  # eviction caught up
+        assert s.stats().tiers["device"].bytes <= SNAP  # eviction caught up
         assert_served(s, 2)
 
 
@@ -409,7 +411,7 @@ def test_concurrent_cold_acquires_load_once(
         for t in threads:
             t.join(10)
         assert not errors and len(calls) == 1
-        assert s.stats()["loads_disk"] == 2
+        assert s.stats().loads_disk == 2
 
 
 # -- restart --------------------------------------------------------------------------------
@@ -430,7 +432,7 @@ def test_restart_recovers_everything(tmp_path: Path) -> None:
         for v in (1, 3, 5):
             assert s.sha256(v) == hashes[v]
             assert_served(s, v)
-        assert s.stats()["verified_loads"] == 3  # first loads after restart are hash-checked
+        assert s.stats().verified_loads == 3  # first loads after restart are hash-checked
         assert s.watermark == 3 and s.newest == 5
         for gone in (0, 2, 4):
             with pytest.raises(VersionEvicted):
@@ -565,20 +567,20 @@ def _host_tier_flow(s: SnapshotStore, device_type: str) -> None:
     assert tiers(0) == {"host", "disk"} and tiers(1) == {"device", "host", "disk"}
     served(0)  # back from the host tier, no disk read
     st = s.stats()
-    assert (st["loads_disk"], st["loads_host"]) == (2, 1)
+    assert (st.loads_disk, st.loads_host) == (2, 1)
     served(2)  # the host tier evicts its least recently used copy (1)
     assert tiers(1) == {"disk"} and tiers(0) == {"host", "disk"}
     st = s.stats()
-    assert st["tiers"]["host"]["bytes"] <= 2 * SNAP and st["tiers"]["host"]["evictions"] == 1
-    assert st["tiers"]["device"]["peak_bytes"] <= 2 * SNAP
+    assert st.tiers["host"].bytes <= 2 * SNAP and st.tiers["host"].evictions == 1
+    assert st.tiers["device"].peak_bytes <= 2 * SNAP
 
 
 def test_host_tier_logic_simulated_on_cpu(tmp_path: Path) -> None:
     # The host tier exists in front of a GPU only; its bookkeeping is the same on any device,
     # so enable it here to test it where no GPU is (the gpu test below runs the real thing).
     with open_store(tmp_path / "s", device_budget_bytes=SNAP) as s:
-        s._host_enabled = True
-        s._host_tier.budget = 2 * SNAP
+        s.residency.host_enabled = True
+        s.residency.host_tier.budget = 2 * SNAP
         _host_tier_flow(s, "cpu")
 
 
@@ -589,9 +591,9 @@ def test_host_tier_on_gpu(tmp_path: Path) -> None:
         tmp_path / "s", device="cuda", device_budget_bytes=SNAP, host_budget_bytes=2 * SNAP
     ) as s:
         _host_tier_flow(s, "cuda")
-        entry = s._entries[0]
-        assert entry.host is not None and entry.host.buffer is not None
-        assert entry.host.buffer.is_pinned()
+        host = s.residency.cpu_copy(0)  # the host tier's copy of version 0
+        assert host is not None and host.buffer is not None
+        assert host.buffer.is_pinned()
 
 
 @pytest.mark.parametrize("same", [True, False])

@@ -75,8 +75,8 @@ def test_device_budget_under_concurrent_random_acquires(tmp_path: Path) -> None:
         failures: list[str] = []
 
         def check(where: str) -> None:
-            dev = s.stats()["tiers"]["device"]
-            if dev["bytes"] > budget + SNAP:
+            dev = s.stats().tiers["device"]
+            if dev.bytes > budget + SNAP:
                 failures.append(f"{where}: {dev['bytes']} resident bytes")
 
         def worker(seed: int) -> None:
@@ -101,11 +101,11 @@ def test_device_budget_under_concurrent_random_acquires(tmp_path: Path) -> None:
             t.join(60)
         assert not failures, failures[:5]
         st = s.stats()
-        dev = st["tiers"]["device"]
-        assert dev["peak_bytes"] <= budget + SNAP  # never over, even between observations
-        assert dev["bytes"] <= budget  # eviction caught up once everything was released
-        assert dev["evictions"] > 0 and st["loads_disk"] > n_versions
-        assert st["in_use"] == 0
+        dev = st.tiers["device"]
+        assert dev.peak_bytes <= budget + SNAP  # never over, even between observations
+        assert dev.bytes <= budget  # eviction caught up once everything was released
+        assert dev.evictions > 0 and st.loads_disk > n_versions
+        assert st.in_use == 0
 
 
 def test_disk_retention_random_operations(tmp_path: Path) -> None:
@@ -144,6 +144,7 @@ def test_disk_retention_random_operations(tmp_path: Path) -> None:
                 with s.acquire(v) as w:
                     assert int(w["step"]) == v
 
+            s.sweep()  # the service's periodic sweeper: lease expiry and retention
             now = clock()
             live = {lid: lv for lid, lv in leases.items() if lv[1] > now}
             leased = {v for v, _ in live.values()}
@@ -158,7 +159,7 @@ def test_disk_retention_random_operations(tmp_path: Path) -> None:
             for v in set(published) - retained_now:
                 with pytest.raises(VersionEvicted):
                     s.info(v)
-            assert s.stats()["tiers"]["disk"]["versions"] == len(retained_now)
+            assert s.stats().tiers["disk"].versions == len(retained_now)
 
 
 def test_disk_lru_and_budget(tmp_path: Path) -> None:
@@ -182,7 +183,7 @@ def test_disk_lru_and_budget(tmp_path: Path) -> None:
         for v in range(5):
             s.publish(v, make_sd(v))
         assert [r.version for r in s.versions()] == [3, 4]
-        assert s.stats()["tiers"]["disk"]["bytes"] <= 2.5 * SNAP
+        assert s.stats().tiers["disk"].bytes <= 2.5 * SNAP
     with open_store(tmp_path / "c", disk_budget_bytes=SNAP // 2) as s:
         for v in range(3):
             s.publish(v, make_sd(v))

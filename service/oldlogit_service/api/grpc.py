@@ -7,12 +7,8 @@ metrics. Also serves ``grpc.health.v1.Health`` and server reflection.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -28,9 +24,7 @@ from oldlogit._transport_grpc import SERVER_OPTIONS
 from oldlogit.errors import (
     InternalError,
     InvalidRequest,
-    LimitExceeded,
     OldLogitError,
-    Overloaded,
 )
 from oldlogit_service.runtime import Runtime
 
@@ -66,13 +60,9 @@ def _token(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: OldLogitError) -> None:
-    md: list[tuple[str, str | bytes]] = [
-        ("oldlogit-error-bin", json.dumps(err.to_payload()).encode())
-    ]
-    if isinstance(err, Overloaded):
-        md.append(("retry-after", f"{err.retry_after_s:g}"))
-    context.set_trailing_metadata(tuple(md))
-    await context.abort(getattr(grpc.StatusCode, err.grpc_status), err.message)
+    # Status and trailing metadata from the very functions the client decodes with.
+    context.set_trailing_metadata(convert.grpc_trailing_metadata(err))
+    await context.abort(convert.grpc_code(err), err.message)
 
 
 class _Undecodable:
@@ -173,10 +163,28 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return handler
 
 
+async def _publish_stream(stream: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[bytes]]:
+    """The header of a Publish stream (its first message) and its data chunks."""
+    it = stream.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        raise InvalidRequest("the publish stream is empty", parameter="header") from None
+    if not first.HasField("header"):
+        raise InvalidRequest("the first publish chunk must carry the header", parameter="header")
+
+    async def data() -> AsyncIterator[bytes]:
+        async for chunk in it:
+            if chunk.HasField("header"):
+                raise InvalidRequest("the publish stream holds two headers", parameter="header")
+            yield chunk.data
+
+    return first.header, data()
+
+
 class OldLogitServicer(pb_grpc.OldLogitServicer):
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
-        self._max_upload = int(rt.settings.max_upload_gib * 1024**3)
 
     async def Logprobs(self, request: Any, context: Any) -> Any:
         req = convert.request_from_proto(request)
@@ -188,65 +196,27 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         return convert.response_to_proto(resp, req)
 
     async def ListVersions(self, request: Any, context: Any) -> Any:
-        versions, watermark = await asyncio.to_thread(self._rt.versions)
+        versions, watermark = await self._rt.versions()
         return convert.versions_to_proto(versions, watermark)
 
     async def GetVersion(self, request: Any, context: Any) -> Any:
-        info = await asyncio.to_thread(self._rt.version, request.policy_version)
-        return convert.version_info_to_proto(info)
+        return convert.version_info_to_proto(await self._rt.version(request.policy_version))
 
     async def DeleteVersion(self, request: Any, context: Any) -> Any:
         await self._rt.delete_version(request.policy_version)
         return pb.DeleteVersionResponse(policy_version=request.policy_version)
 
     async def Publish(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
-        header = None
-        incoming = self._rt.store.staging_dir  # same filesystem: publish is a rename
-        incoming.mkdir(parents=True, exist_ok=True)
-        tmp = incoming / f"upload-grpc-{uuid.uuid4().hex}.safetensors.part"
-        size = 0
-        try:
-            with open(tmp, "wb") as f:
-                async for chunk in request_iterator:
-                    if chunk.HasField("header"):
-                        if header is not None:
-                            raise InvalidRequest(
-                                "the publish stream holds two headers", parameter="header"
-                            )
-                        header = chunk.header
-                        continue
-                    if header is None:
-                        raise InvalidRequest(
-                            "the first publish chunk must carry the header", parameter="header"
-                        )
-                    size += len(chunk.data)
-                    if size > self._max_upload:
-                        raise LimitExceeded(
-                            f"the upload exceeds the limit of {self._max_upload} bytes",
-                            parameter="data",
-                        )
-                    f.write(chunk.data)
-            if header is None:
-                raise InvalidRequest("the publish stream is empty", parameter="header")
-            parent = header.parent if header.HasField("parent") else None
-            if parent is not None and not header.delta:
-                raise InvalidRequest("parent applies to delta uploads only", parameter="parent")
-            if size == 0:
-                raise InvalidRequest(
-                    "the upload holds no data: send a safetensors file", parameter="data"
-                )
-            if header.delta:
-                res = await self._rt.publish_delta_file(
-                    header.policy_version, tmp, sha256=header.sha256 or None, parent=parent
-                )
-            else:
-                res = await self._rt.publish_file(
-                    header.policy_version, tmp, sha256=header.sha256 or None, move=True
-                )
-            return convert.publish_result_to_proto(res)
-        finally:
-            if tmp.exists():
-                os.unlink(tmp)
+        header, data = await _publish_stream(request_iterator)
+        res = await self._rt.publish_stream(
+            header.policy_version,
+            data,
+            sha256=header.sha256 or None,
+            delta=header.delta,
+            parent=header.parent if header.HasField("parent") else None,
+            parameter="data",
+        )
+        return convert.publish_result_to_proto(res)
 
     async def PublishByPath(self, request: Any, context: Any) -> Any:
         res = await self._rt.publish_path(
@@ -263,20 +233,18 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         return pb.WatermarkResponse(watermark=wm)
 
     async def CreateLease(self, request: Any, context: Any) -> Any:
-        lease = await asyncio.to_thread(
-            self._rt.create_lease, request.policy_version, request.holder, request.ttl_s
-        )
+        lease = await self._rt.create_lease(request.policy_version, request.holder, request.ttl_s)
         return convert.lease_info_to_proto(lease)
 
     async def DeleteLease(self, request: Any, context: Any) -> Any:
-        await asyncio.to_thread(self._rt.release_lease, request.lease_id)
+        await self._rt.release_lease(request.lease_id)
         return pb.DeleteLeaseResponse(lease_id=request.lease_id)
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
-        return convert.info_to_proto(self._rt.info())
+        return convert.info_to_proto(await self._rt.info())
 
     async def ListReplicas(self, request: Any, context: Any) -> Any:
-        replicas = await asyncio.to_thread(self._rt.replicas)
+        replicas = await self._rt.replicas()
         return pb.ListReplicasResponse(
             replicas=[
                 pb.Replica(

@@ -7,11 +7,8 @@ every non-2xx body is ``{"error": {"code", "message", "parameter"?, "details"?}}
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,7 +25,6 @@ from oldlogit.errors import (
     LimitExceeded,
     NotFound,
     OldLogitError,
-    Overloaded,
 )
 from oldlogit.types import MAX_VERSION, Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
 from oldlogit_service import __version__
@@ -60,19 +56,14 @@ class PublishByPathBody(BaseModel):
     parent: int | None = Field(None, ge=0, le=MAX_VERSION)
 
 
-def error_response(exc: OldLogitError) -> JSONResponse:
-    headers = {}
-    if isinstance(exc, Overloaded):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    return JSONResponse({"error": exc.to_payload()}, status_code=exc.http_status, headers=headers)
+def error_response(exc: OldLogitError) -> Response:
+    """The error body and headers, encoded by the very function the client decodes with."""
+    status, body, headers = wire.encode_error(exc)
+    return Response(body, status_code=status, headers=headers)
 
 
 def _loc_to_parameter(loc: tuple[Any, ...]) -> str:
-    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "body"
+    return wire.parameter_path([p for p in loc if p not in ("body", "query", "path", "header")])
 
 
 def _bearer(request: Request) -> str | None:
@@ -83,16 +74,9 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def _negotiate(accept: str | None) -> str:
-    if accept and wire.MSGPACK_TYPE in accept:
-        return wire.MSGPACK_TYPE
-    return wire.JSON_TYPE
-
-
 def create_app(rt: Runtime) -> FastAPI:
     s = rt.settings
     max_request_bytes = int(s.max_request_mib * 1024 * 1024)
-    max_upload_bytes = int(s.max_upload_gib * 1024**3)
     app = FastAPI(
         title="oldlogit",
         version=__version__,
@@ -104,18 +88,18 @@ def create_app(rt: Runtime) -> FastAPI:
         rt.authorize(write=write, token=_bearer(request), peer=peer)
 
     @app.exception_handler(OldLogitError)
-    async def _on_error(request: Request, exc: OldLogitError) -> JSONResponse:
+    async def _on_error(request: Request, exc: OldLogitError) -> Response:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _on_validation(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         param = _loc_to_parameter(tuple(first.get("loc", ())))
         msg = f"{param}: {first.get('msg', 'invalid value')}"
         return error_response(InvalidRequest(msg, parameter=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             return error_response(NotFound(f"no route {request.url.path}", parameter="path"))
         err = InvalidRequest(
@@ -126,7 +110,7 @@ def create_app(rt: Runtime) -> FastAPI:
         return resp
 
     @app.exception_handler(Exception)
-    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(InternalError("internal error; see the server log"))
 
@@ -179,20 +163,20 @@ def create_app(rt: Runtime) -> FastAPI:
         body = await read_body(request, max_request_bytes, "request body")
         req = wire.decode_request(body, request.headers.get("content-type", wire.JSON_TYPE))
         resp = await rt.logprobs(req)
-        media = _negotiate(request.headers.get("accept"))
+        media = wire.negotiate(request.headers.get("accept"))
         return Response(wire.encode_response(resp, req, media), media_type=media)
 
     # -- versions ------------------------------------------------------------------------
     @app.get("/v1/versions", summary="Retained versions, their tiers, and the watermark")
     async def list_versions(request: Request) -> dict[str, Any]:
         auth(request, write=False)
-        versions, watermark = await asyncio.to_thread(rt.versions)
+        versions, watermark = await rt.versions()
         return {"versions": [v.model_dump(mode="json") for v in versions], "watermark": watermark}
 
     @app.get("/v1/versions/{policy_version}", response_model=VersionInfo)
     async def get_version(request: Request, policy_version: int) -> VersionInfo:
         auth(request, write=False)
-        return await asyncio.to_thread(rt.version, policy_version)
+        return await rt.version(policy_version)
 
     @app.delete("/v1/versions/{policy_version}")
     async def delete_version(request: Request, policy_version: int) -> dict[str, int]:
@@ -221,34 +205,9 @@ def create_app(rt: Runtime) -> FastAPI:
         parent: int | None = None,
     ) -> PublishResult:
         auth(request, write=True)
-        if parent is not None and not delta:
-            raise InvalidRequest("parent applies to delta uploads only", parameter="parent")
-        incoming = rt.store.staging_dir  # same filesystem as the snapshots: a rename, no copy
-        incoming.mkdir(parents=True, exist_ok=True)
-        tmp = incoming / f"upload-{policy_version}-{uuid.uuid4().hex}.safetensors.part"
-        size = 0
-        try:
-            with open(tmp, "wb") as f:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > max_upload_bytes:
-                        raise LimitExceeded(
-                            f"the upload exceeds the limit of {max_upload_bytes} bytes",
-                            parameter="body",
-                        )
-                    f.write(chunk)
-            if size == 0:
-                raise InvalidRequest(
-                    "the request body is empty: send a safetensors file", parameter="body"
-                )
-            if delta:  # the changed elements only, against parent (see README: delta format)
-                return await rt.publish_delta_file(
-                    policy_version, tmp, sha256=sha256, parent=parent
-                )
-            return await rt.publish_file(policy_version, tmp, sha256=sha256, move=True)
-        finally:
-            if tmp.exists():
-                os.unlink(tmp)
+        return await rt.publish_stream(
+            policy_version, request.stream(), sha256=sha256, delta=delta, parent=parent
+        )
 
     @app.post(
         "/v1/versions",
@@ -274,26 +233,24 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.post("/v1/leases", response_model=LeaseInfo, summary="Pin a version for ttl_s seconds")
     async def create_lease(request: Request, body: LeaseBody) -> LeaseInfo:
         auth(request, write=True)
-        return await asyncio.to_thread(
-            rt.create_lease, body.policy_version, body.holder, body.ttl_s
-        )
+        return await rt.create_lease(body.policy_version, body.holder, body.ttl_s)
 
     @app.delete("/v1/leases/{lease_id}")
     async def delete_lease(request: Request, lease_id: str) -> dict[str, str]:
         auth(request, write=True)
-        await asyncio.to_thread(rt.release_lease, lease_id)
+        await rt.release_lease(lease_id)
         return {"released": lease_id}
 
     # -- introspection -------------------------------------------------------------------
     @app.get("/v1/info", response_model=Info)
     async def info(request: Request) -> Info:
         auth(request, write=False)
-        return rt.info()
+        return await rt.info()
 
     @app.get("/v1/replicas", summary="Live replicas of the deployment (scale-out discovery)")
     async def replicas(request: Request) -> dict[str, Any]:
         auth(request, write=False)
-        return {"replicas": await asyncio.to_thread(rt.replicas)}
+        return {"replicas": await rt.replicas()}
 
     @app.get("/healthz", summary="Alive")
     async def healthz() -> dict[str, str]:
@@ -307,10 +264,10 @@ def create_app(rt: Runtime) -> FastAPI:
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
-        return Response(rt.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await rt.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def status_page() -> HTMLResponse:
-        return HTMLResponse(await asyncio.to_thread(render_status_page, rt))
+        return HTMLResponse(await rt.status_page(render_status_page))
 
     return app

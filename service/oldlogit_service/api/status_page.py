@@ -16,7 +16,8 @@ from importlib import resources
 
 from oldlogit_service import __version__
 from oldlogit_service.history import Sample
-from oldlogit_service.runtime import Runtime
+from oldlogit_service.metrics import ServiceState
+from oldlogit_service.runtime import StatusView
 
 REFRESH_S = 2.0
 _W, _H = 260, 100  # chart size in SVG units = CSS pixels
@@ -97,13 +98,13 @@ def _fmt_span(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _window(rt: Runtime, now: float) -> float:
+def _window(rt: StatusView, now: float) -> float:
     """What the charts span: the history so far, at least a minute, at most all it keeps."""
     samples = rt.history.samples()
     return min(rt.history.keep_s, max(60.0, now - samples[0].t if samples else 0.0))
 
 
-def _charts(rt: Runtime, now: float) -> str:
+def _charts(rt: StatusView, now: float) -> str:
     samples = rt.history.samples()
     window = _window(rt, now)
     if not samples:
@@ -131,29 +132,26 @@ def _charts(rt: Runtime, now: float) -> str:
     )
 
 
-def _tiers_table(state: dict[str, object]) -> str:
+def _tiers_table(state: ServiceState) -> str:
     rows = []
-    tiers = state.get("tiers", {})
-    assert isinstance(tiers, dict)
-    for name, t in tiers.items():
-        used, budget = float(t.get("bytes", 0)), float(t.get("budget", 0))
+    for name, t in state.store.tiers.items():
+        used, budget = float(t.bytes), float(t.budget)
         rows.append(
             f"<tr><td>{_badges([name])}</td>"
             f'<td class="num">{_fmt_bytes(used)}</td><td class="num">{_fmt_bytes(budget)}</td>'
             f'<td><meter min="0" max="{max(budget, 1):g}" high="{0.9 * budget:g}" '
             f'value="{used:g}"></meter></td>'
-            f'<td class="num">{int(t.get("versions", 0))}</td>'
-            f'<td class="num">{int(t.get("evictions", 0))}</td></tr>'
+            f'<td class="num">{t.versions}</td>'
+            f'<td class="num">{t.evictions}</td></tr>'
         )
-    cache = state.get("cache", {})
-    assert isinstance(cache, dict)
-    used, budget = float(cache.get("bytes", 0)), float(cache.get("max_bytes", 0))
+    cache = state.cache
+    used, budget = float(cache.bytes), float(cache.max_bytes)
     rows.append(
         f"<tr><td>result cache</td><td class='num'>{_fmt_bytes(used)}</td>"
         f"<td class='num'>{_fmt_bytes(budget)}</td><td><meter min='0' "
         f"max='{max(budget, 1):g}' value='{used:g}'></meter></td>"
-        f"<td class='num'>{int(cache.get('entries', 0))} entries</td>"
-        f"<td class='num'>{int(cache.get('evictions', 0))}</td></tr>"
+        f"<td class='num'>{cache.entries} entries</td>"
+        f"<td class='num'>{cache.evictions}</td></tr>"
     )
     return (
         '<table id="tiers"><tr><th>tier</th><th>resident</th><th>budget</th><th></th>'
@@ -165,8 +163,8 @@ def _badges(tiers: list[str]) -> str:
     return "".join(f'<span class="tier {_esc(t)}">{_esc(t)}</span>' for t in tiers)
 
 
-def _versions_table(rt: Runtime, now: float) -> str:
-    versions, _ = rt.versions()
+def _versions_table(rt: StatusView, now: float) -> str:
+    versions = rt.versions
     if not versions:
         return '<p class="empty" id="versions">No version published yet.</p>'
     rows = "".join(
@@ -191,21 +189,19 @@ def _fmt_age(seconds: float) -> str:
     return f"{s // 60} min" if s < 7200 else f"{s // 3600} h"
 
 
-def render_status_page(rt: Runtime) -> str:
+def render_status_page(rt: StatusView) -> str:
     now = time.time()
-    info = rt.info()
-    state = rt.state()
-    cache = state.get("cache", {})
-    hits, misses = cache.get("hits", 0), cache.get("misses", 0)
+    info, state = rt.info, rt.state
+    hits, misses = state.cache.hits, state.cache.misses
     rate = f"{100.0 * hits / (hits + misses):.1f} %" if hits + misses else "–"
-    newest, watermark = state.get("newest", -1), state.get("watermark", -1)
+    newest, watermark = state.store.newest, state.store.watermark
     facts = (
-        ("ready", "yes" if rt.ready else "no"),
-        ("newest version", newest if newest >= 0 else "none"),
-        ("watermark", watermark if watermark >= 0 else "none"),
-        ("versions", state.get("versions", 0)),
-        ("leases", state.get("leases", 0)),
-        ("queue", f"{state.get('queue_depth', 0)} jobs / {state.get('queue_tokens', 0)} tokens"),
+        ("ready", "yes" if state.ready else "no"),
+        ("newest version", "none" if newest is None else newest),
+        ("watermark", "none" if watermark is None else watermark),
+        ("versions", state.store.versions),
+        ("leases", state.store.leases),
+        ("queue", f"{state.queue_depth} jobs / {state.queue_tokens} tokens"),
         ("cache hit rate", rate),
     )
     return f"""<!doctype html>

@@ -1,15 +1,23 @@
 """The snapshot store: every acknowledged policy version's weights, tiered and retained.
 
-``SnapshotStore`` is the one entry point (publish, acquire, leases, watermark, introspection);
-the modules split it by concern: ``ingest`` (publish inputs checked against the model),
-``persist`` and ``buffers`` (disk layout, crash-safe writes, in-memory bytes), ``codec``
-(patches), ``chains`` (rebuilds, keyframe policy, rewrites), ``deltas`` (delta publishes),
-``lagging`` (the lagging model), ``residency`` and ``tiers`` (memory tiers, LRU), ``leases``,
-``records`` (what it answers with), ``store`` (the orchestration).
+``SnapshotStore`` (``store``) is the one entry point, a thin facade over parts that each own
+one thing: ``registry`` (durable records, ordering, watermark, leases, disk retention),
+``residency`` (memory tiers, loads, LRU), ``rebuild`` (keyframe + patch chains, the keyframe
+policy, rewrites), ``publish`` (ingest → verify → persist → register) and ``lagging`` (the
+lagging model). Leaves that import nothing above them: ``ingest``, ``persist``, ``buffers``,
+``codec``, ``tiers``, ``leases``, ``records``.
 """
 
 from oldlogit_service.snapshots.leases import LeaseRecord
-from oldlogit_service.snapshots.records import PublishOutcome, VersionRecord
+from oldlogit_service.snapshots.records import PublishOutcome, StoreStats, VersionRecord
+from oldlogit_service.snapshots.registry import check_version
 from oldlogit_service.snapshots.store import SnapshotStore
 
-__all__ = ["LeaseRecord", "PublishOutcome", "SnapshotStore", "VersionRecord"]
+__all__ = [
+    "LeaseRecord",
+    "PublishOutcome",
+    "SnapshotStore",
+    "StoreStats",
+    "VersionRecord",
+    "check_version",
+]

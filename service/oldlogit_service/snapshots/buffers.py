@@ -2,23 +2,37 @@
 reading checked publish sources into one.
 
 In: a byte count, or ``TensorSource``s. Out: a uint8 buffer (page-locked when asked) and its
-tensor layout / weight hash. No files, no locks: ``persist`` and ``publishing`` call these.
+tensor layout / weight hash; ``TensorSource``, a tensor's bytes streamed on demand. No files,
+no locks, nothing of the store above it: ``persist``, ``ingest`` and ``publish`` call these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from oldlogit.weights import DTYPE_ITEMSIZE, TensorEntry, WeightHasher
 
-if TYPE_CHECKING:
-    from oldlogit_service.snapshots.persist import TensorSource
+__all__ = ["TensorSource", "alloc_buffer", "buffer_from_sources", "hash_buffer"]
 
-__all__ = ["alloc_buffer", "buffer_from_sources", "hash_buffer"]
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One tensor to write: its declared dtype/shape and a callable streaming its raw bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterable[bytes | memoryview]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
 def alloc_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:

@@ -27,7 +27,7 @@ from oldlogit.weights import (
     tensor_raw_bytes,
     torch_dtype,
 )
-from oldlogit_service.snapshots.persist import TensorSource
+from oldlogit_service.snapshots.buffers import TensorSource
 
 __all__ = [
     "ParamSpecs",

@@ -3,8 +3,9 @@
 In: acquires in (mostly) ascending version order from the scheduler's lagging policy. Out: the
 weights of the version asked for: the copy is advanced in place by applying the patches between
 its version and the one asked for (a keyframe on the way, or a gap, reloads it); a version it
-has already passed is served by the snapshot path (``SnapshotStore.acquire``), which refuses
-with ``VersionEvicted`` once the store no longer retains it. One snapshot of device memory.
+has already passed is served by the snapshot path, which refuses with ``VersionEvicted`` once
+the store no longer retains it. One snapshot of device memory, counted in the device tier.
+Talks to the store only through ``ChainSource``.
 """
 
 from __future__ import annotations
@@ -14,31 +15,62 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import torch
 
+from oldlogit.errors import OldLogitError
 from oldlogit_service.snapshots import buffers, codec, persist
-from oldlogit_service.snapshots.core import check_version
+from oldlogit_service.snapshots.registry import check_version
 from oldlogit_service.snapshots.residency import Resident
-
-if TYPE_CHECKING:
-    from oldlogit_service.snapshots.store import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaggingModel"]
+__all__ = ["ChainSource", "LaggingModel"]
+
+
+class ChainSource(Protocol):
+    """What the lagging model needs from the store (``SnapshotStore`` implements it)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def chain(self, version: int) -> list[persist.StoredVersion]:
+        """``[version, its parent, ..., its keyframe]`` (raises for a version not retained)."""
+        ...
+
+    def load_patch(self, sv: persist.StoredVersion) -> codec.Patch: ...
+
+    def materialize(self, version: int) -> Resident:
+        """The version's weights in a fresh CPU buffer."""
+        ...
+
+    def to_device(self, res: Resident) -> Resident: ...
+
+    def hold_device(self, nbytes: int, version: int) -> None: ...
+
+    def release_device(self, nbytes: int) -> None: ...
+
+    def is_verified(self, sv: persist.StoredVersion) -> bool: ...
+
+    def mark_verified(self, sv: persist.StoredVersion) -> None: ...
+
+    def acquire(
+        self, version: int
+    ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]: ...
+
+    def quarantine(self, version: int, exc: persist.CorruptSnapshot) -> OldLogitError: ...
 
 
 class LaggingModel:
-    """Owned by one ``SnapshotStore``; ``acquire`` is its one entry point."""
+    """Owned by one store; ``acquire`` is its one entry point."""
 
-    def __init__(self, store: SnapshotStore) -> None:
-        self._store = store
+    def __init__(self, source: ChainSource) -> None:
+        self._src = source
         self._lock = threading.Lock()
         self._res: Resident | None = None  # on the serving device; counted in its tier
         self._version: int | None = None
-        self._held = False  # its bytes are counted in the device tier
+        self._held = 0  # bytes counted in the device tier
         self.counters = {"advances": 0, "patches_applied": 0, "reloads": 0, "passed": 0}
 
     @property
@@ -50,13 +82,11 @@ class LaggingModel:
     def acquire(self, version: int) -> Iterator[Mapping[str, torch.Tensor]]:
         """The weights of ``version`` while the block runs (do not keep or modify them)."""
         version = check_version(version)
-        st = self._store
-        st._check_open()
         with self._lock:
             passed = self._version is not None and version < self._version
         if passed:
             self.counters["passed"] += 1
-            with st.acquire(version) as weights:
+            with self._src.acquire(version) as weights:
                 yield weights
             return
         with self._lock:
@@ -64,23 +94,18 @@ class LaggingModel:
                 self._advance(version)
             except persist.CorruptSnapshot as exc:
                 self._drop()
-                raise st._corrupt(version, exc) from exc
+                raise self._src.quarantine(version, exc) from exc
             assert self._res is not None
             yield MappingProxyType(self._res.tensors)
 
     def _advance(self, target: int) -> None:
-        st = self._store
-        with st._lock:
-            st._sweep_locked()
-            entry = st._live_locked(target)  # UnknownVersion / VersionEvicted
-            chain = st._chain_locked(entry)  # [target, parent, ..., keyframe]
-        versions = [e.stored.version for e in chain]
+        chain = self._src.chain(target)  # [target, parent, ..., keyframe]; missing: raises
+        versions = [sv.version for sv in chain]
         at = versions.index(self._version) if self._version in versions else None
         if at == 0:
             return
         if at is not None and self._res is not None:
-            steps = [(e, e.stored) for e in reversed(chain[:at])]
-            patches = [st._load_patch(e, sv) for e, sv in steps]
+            patches = [self._src.load_patch(sv) for sv in reversed(chain[:at])]
             if self._res.buffer is not None and self._res.buffer.device.type == "cpu":
                 codec.rebuild(self._res.buffer.numpy(), self._res.layout, patches)
             else:
@@ -88,45 +113,36 @@ class LaggingModel:
             self.counters["advances"] += 1
             self.counters["patches_applied"] += len(patches)
         else:
-            self._reload(entry)
-        if not entry.verified:  # recovered from an earlier process: check once
+            self._reload(target, chain[0].nbytes)
+        if not self._src.is_verified(chain[0]):  # recovered from an earlier process: once
             assert self._res is not None and self._res.buffer is not None
             got = buffers.hash_buffer(self._res.buffer.cpu().numpy(), self._res.layout)
-            if got != entry.stored.sha256:
+            if got != chain[0].sha256:
                 raise persist.CorruptSnapshot(
                     f"version {target} (lagging copy) hashes to {got}, the registry says "
-                    f"{entry.stored.sha256}",
+                    f"{chain[0].sha256}",
                     target,
                 )
-            with st._lock:
-                entry.verified = True
+            self._src.mark_verified(chain[0])
         self._version = target
 
-    def _reload(self, entry: Any) -> None:
+    def _reload(self, version: int, nbytes: int) -> None:
         """Load the version whole (start, a keyframe on the way, a gap)."""
-        st = self._store
-        n = entry.stored.nbytes
         if not self._held:
-            with st._cond:  # the copy is one snapshot of the device tier, for good
-                st._admit_device_locked(n, entry.stored.version)
-                st._device_tier.reserve(0)
-                st._device_tier.add(n, count=False)
-                self._held = True
+            self._src.hold_device(nbytes, version)  # one snapshot of the device tier, for good
+            self._held = nbytes
         self._res, self._version = None, None  # free the old copy before the new one is built
-        fresh = st._materialize(entry)
-        if st._device.type != "cpu":
-            fresh = st._to_device(fresh)
+        fresh = self._src.materialize(version)
+        if self._src.device.type != "cpu":
+            fresh = self._src.to_device(fresh)
         self._res = fresh
-        self._version = entry.stored.version
+        self._version = version
         self.counters["reloads"] += 1
 
     def _drop(self) -> None:
-        st = self._store
         if self._held:
-            with st._cond:
-                st._device_tier.remove(st.snapshot_nbytes, evicted=False, count=False)
-                st._cond.notify_all()
-            self._held = False
+            self._src.release_device(self._held)
+            self._held = 0
         self._res, self._version = None, None
 
     def close(self) -> None:

@@ -21,10 +21,9 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +39,7 @@ from oldlogit.weights import (
     torch_dtype,
 )
 from oldlogit_service.snapshots import buffers
+from oldlogit_service.snapshots.buffers import TensorSource
 from oldlogit_service.snapshots.leases import LeaseRecord
 
 logger = logging.getLogger(__name__)
@@ -284,20 +284,6 @@ def clear_stale(root: Path, live_files: set[str]) -> list[Path]:
 
 
 # -- keyframe files ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSource:
-    """One tensor to write: its declared dtype/shape and a callable streaming its raw bytes."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: Callable[[], Iterable[bytes | memoryview]]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
 def keyframe_name(version: int) -> str:

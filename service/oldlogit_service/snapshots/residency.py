@@ -1,10 +1,11 @@
-"""Memory residency: which versions sit in the device and host tiers, loads and LRU eviction.
+"""Memory residency: which versions sit in the device and host tiers; loads and LRU eviction.
 
-In: pinned entries to make resident. Out: their tensors on the serving device, loaded once
-however many threads ask, with device bytes never above budget + one snapshot (the one being
-loaded). Decoded patches live in the tier that holds CPU copies (device on CPU, host before a
-GPU) and compete in the same LRU. Where bytes come from is the subclass's ``_materialize``;
-this layer never touches the registry or the disk layout.
+In: pins of versions the registry retains, and a ``materialize(version)`` that builds a
+version's weights in a CPU buffer. Out: the version's tensors on the serving device, loaded
+once however many threads ask, with device bytes never above budget + one snapshot (the one
+being loaded). Decoded patches and rebuild bases live in the tier that holds CPU copies (device
+on CPU, host in front of a GPU) and compete in the same LRU, credited with what they would cost
+to rebuild. Never touches the registry, the disk layout or a patch's contents.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import torch
 from oldlogit.errors import Overloaded
 from oldlogit.weights import TensorEntry
 from oldlogit_service.snapshots.codec import Patch
-from oldlogit_service.snapshots.persist import StoredVersion, tensor_views
+from oldlogit_service.snapshots.persist import tensor_views
 from oldlogit_service.snapshots.tiers import (
     DEVICE,
-    DISK,
     HOST,
     MemoryCandidate,
     TierAccount,
@@ -34,7 +34,7 @@ from oldlogit_service.snapshots.tiers import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Residency", "Resident", "VersionEntry"]
+__all__ = ["Residency", "Resident"]
 
 
 @dataclass(eq=False)
@@ -48,28 +48,19 @@ class Resident:
 
 
 @dataclass(eq=False)
-class VersionEntry:
-    """A retained version and its residency. Guarded by the store's lock."""
+class _Memory:
+    """A version's copies in memory. Guarded by the residency lock."""
 
-    stored: StoredVersion
     last_used: float
     tick: int
-    verified: bool = False  # bytes checked against the hash since this process wrote/read them
     device: Resident | None = None
     host: Resident | None = None
-    pins: int = 0  # requests holding it (including loads in flight)
-    retired: bool = False  # deleted from disk; memory copies go when the last pin does
-    patch: Patch | None = None  # a patch version's decoded patch, cached (CPU memory)
-    patch_used: float = 0.0  # clock seconds of the last rebuild that read ``patch``
+    patch: Patch | None = None  # decoded patch against its parent (CPU memory)
+    patch_key: str = ""  # the patch file's hash: a rewritten record never reads a stale patch
+    patch_used: float = 0.0
     patch_tick: int = 0
-
-    def tiers(self) -> frozenset[str]:
-        out = set() if self.retired else {DISK}
-        if self.device is not None:
-            out.add(DEVICE)
-        if self.host is not None:
-            out.add(HOST)
-        return frozenset(out)
+    pins: int = 0  # requests holding it (including loads in flight)
+    retired: bool = False  # deleted: copies go when the last pin does
 
 
 @dataclass(eq=False)
@@ -93,130 +84,151 @@ class Residency:
         self,
         *,
         device: torch.device,
-        device_tier: TierAccount,
-        host_tier: TierAccount,
-        host_enabled: bool,
+        device_budget_bytes: int,
+        host_budget_bytes: int,
         pin_host: bool,
         clock: Callable[[], float],
         admission_timeout_s: float,
+        materialize: Callable[[int], Resident],
+        rebuild_cost: Callable[[int], float],
+        patch_cost: Callable[[int], float],
+        gone: Callable[[int], Exception],
     ) -> None:
-        self._device = device
-        self._device_tier = device_tier
-        self._host_tier = host_tier
-        self._host_enabled = host_enabled
-        self._pin_host = pin_host
+        """``rebuild_cost``/``patch_cost``: snapshot loads needed to bring a version's weights
+        or its decoded patch back; ``gone``: the error for a version retired while loading."""
+        self.device = device
+        # The host tier only makes sense in front of a GPU; on CPU the device tier is process
+        # memory already.
+        self.host_enabled = device.type == "cuda"
+        self.pin_host = pin_host and self.host_enabled
+        self.device_tier = TierAccount(DEVICE, int(device_budget_bytes))
+        self.host_tier = TierAccount(HOST, int(host_budget_bytes) if self.host_enabled else 0)
         self._clock = clock
         self._admission_timeout_s = admission_timeout_s
+        self._materialize = materialize
+        self._rebuild_cost = rebuild_cost
+        self._patch_cost = patch_cost
+        self._gone = gone
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._load_lock = threading.Lock()  # one load at a time bounds memory to budget + one
-        self._entries: dict[int, VersionEntry] = {}
+        self._mem: dict[int, _Memory] = {}
         self._loading: dict[int, _LoadTicket] = {}
         self._ticks = itertools.count()
-        self._counters: Counter[str] = Counter()
-        self._load_seconds = 0.0
-
-    # -- to be provided by the store --------------------------------------------------------
-    def _materialize(self, entry: VersionEntry) -> Resident:
-        raise NotImplementedError
-
-    def _evicted_while_loading(self, entry: VersionEntry) -> Exception:
-        raise NotImplementedError
-
-    def _rebuild_cost_locked(self, entry: VersionEntry) -> float:
-        """Snapshot loads needed to bring its weights back from disk (patches: more)."""
-        return 1.0
-
-    def _patch_cost_locked(self, entry: VersionEntry) -> float:
-        """Snapshot loads needed to bring its decoded patch back from disk."""
-        return 0.0
+        self.counters: Counter[str] = Counter()
+        self.load_seconds = 0.0
 
     @property
-    def _cpu_tier(self) -> TierAccount:
-        """The tier that holds CPU copies: host in front of a GPU, else device (process
-        memory). Decoded patches and rebuild bases live here."""
-        return self._host_tier if self._host_enabled else self._device_tier
+    def cpu_tier(self) -> TierAccount:
+        """The tier that holds CPU copies: host in front of a GPU, else device."""
+        return self.host_tier if self.host_enabled else self.device_tier
 
     @property
-    def _direct(self) -> bool:
+    def direct(self) -> bool:
         """Device copies are the CPU copies themselves (no host tier, no transfer)."""
-        return self._device.type == "cpu" and not self._host_enabled
+        return self.device.type == "cpu" and not self.host_enabled
 
-    # -- use --------------------------------------------------------------------------------
-    def _touch_locked(self, entry: VersionEntry) -> None:
-        entry.last_used = self._clock()
-        entry.tick = next(self._ticks)
+    def _entry_locked(self, version: int) -> _Memory:
+        m = self._mem.get(version)
+        if m is None:
+            m = self._mem[version] = _Memory(self._clock(), next(self._ticks))
+        return m
 
-    def _load_shared(self, entry: VersionEntry) -> Resident:
-        """Make a pinned entry device-resident; the first caller loads, the others wait."""
-        v = entry.stored.version
+    # -- pins and loads ---------------------------------------------------------------------
+    def pin(self, version: int, nbytes: int) -> Resident:
+        """Pin ``version`` (``nbytes`` of weights) and return its device copy, loading it if
+        needed (the first caller loads, concurrent ones wait). ``unpin`` when done; on error it
+        is unpinned already."""
         with self._lock:
-            if entry.device is not None:
-                self._counters["device_hits"] += 1
-                return entry.device
-            ticket = self._loading.get(v)
+            m = self._entry_locked(version)
+            if m.retired:
+                raise self._gone(version)
+            m.pins += 1
+            m.last_used, m.tick = self._clock(), next(self._ticks)
+            if m.device is not None:
+                self.counters["device_hits"] += 1
+                return m.device
+        try:
+            return self._load_shared(version, m, nbytes)
+        except BaseException:
+            self.unpin(version)
+            raise
+
+    def unpin(self, version: int) -> None:
+        with self._cond:
+            m = self._mem.get(version)
+            if m is not None:
+                m.pins -= 1
+                if m.pins == 0 and m.retired:
+                    self._drop_locked(version)
+            self._evict_locked(self.device_tier)
+            self._cond.notify_all()
+
+    def _load_shared(self, version: int, m: _Memory, nbytes: int) -> Resident:
+        with self._lock:
+            if m.device is not None:
+                self.counters["device_hits"] += 1
+                return m.device
+            ticket = self._loading.get(version)
             leader = ticket is None
             if ticket is None:
-                ticket = self._loading[v] = _LoadTicket()
-            if not leader:
-                self._counters["load_waits"] += 1
+                ticket = self._loading[version] = _LoadTicket()
+            else:
+                self.counters["load_waits"] += 1
         if not leader:
             return ticket.wait()
         try:
-            res = self._load(entry)
+            res = self._load(version, m, nbytes)
         except BaseException as exc:
             with self._lock:
-                del self._loading[v]
+                del self._loading[version]
             ticket.error = exc
             ticket.done.set()
             raise
         with self._lock:
-            del self._loading[v]
+            del self._loading[version]
         ticket.result = res
         ticket.done.set()
         return res
 
-    def _load(self, entry: VersionEntry) -> Resident:
-        n = entry.stored.nbytes
+    def _load(self, version: int, m: _Memory, nbytes: int) -> Resident:
         with self._load_lock:
             with self._cond:
-                if entry.retired:
-                    raise self._evicted_while_loading(entry)
-                if entry.device is not None:
-                    return entry.device
-                self._admit_device_locked(n, entry.stored.version)
+                if m.retired:
+                    raise self._gone(version)
+                if m.device is not None:
+                    return m.device
+                self._admit_device_locked(nbytes, version)
+                host = m.host
             try:
                 start = time.perf_counter()
-                host = entry.host
                 from_disk = host is None
                 if host is None:
-                    host = self._materialize(entry)
+                    host = self._materialize(version)
                 # With a host tier (a GPU), the device copy is a transfer from the host copy.
-                dev = host if self._direct else self._to_device(host)
+                dev = host if self.direct else self.to_device(host)
             except BaseException:
                 with self._cond:
-                    self._device_tier.reserve(0)
+                    self.device_tier.reserve(0)
                     self._cond.notify_all()
                 raise
             with self._cond:
-                self._device_tier.reserve(0)
-                self._counters["loads_disk" if from_disk else "loads_host"] += 1
-                self._load_seconds += time.perf_counter() - start
-                if from_disk:
-                    entry.verified = True
-                if entry.retired:
+                self.device_tier.reserve(0)
+                self.counters["loads_disk" if from_disk else "loads_host"] += 1
+                self.load_seconds += time.perf_counter() - start
+                if m.retired:
                     self._cond.notify_all()
-                    raise self._evicted_while_loading(entry)
-                entry.device = dev
-                self._device_tier.add(dev.nbytes)
-                # Keep the host copy just read, unless the budget cannot hold one (then it
+                    raise self._gone(version)
+                m.device = dev
+                self.device_tier.add(dev.nbytes)
+                # Keep the host copy just built, unless the budget cannot hold one (then it
                 # was only a staging buffer).
-                keep_host = self._host_enabled and from_disk and host is not dev
-                if keep_host and entry.host is None and self._host_tier.budget >= host.nbytes:
-                    entry.host = host
-                    self._host_tier.add(host.nbytes)
-                    self._evict_host_locked()
-                self._evict_device_locked()
+                keep_host = self.host_enabled and from_disk and host is not dev
+                if keep_host and m.host is None and self.host_tier.budget >= host.nbytes:
+                    m.host = host
+                    self.host_tier.add(host.nbytes)
+                    self._evict_locked(self.host_tier)
+                self._evict_locked(self.device_tier)
                 self._cond.notify_all()
                 return dev
 
@@ -224,10 +236,10 @@ class Residency:
         """Make room for a load: evict unpinned LRU; proceed at once if that brings the tier
         within budget, or when what stays (all in use) is itself within budget — so resident
         bytes stay <= budget + one snapshot. Otherwise wait for releases (bounded)."""
-        tier = self._device_tier
+        tier = self.device_tier
         deadline = time.monotonic() + self._admission_timeout_s
         while True:
-            self._evict_device_locked(incoming=nbytes)
+            self._evict_locked(tier, incoming=nbytes)
             if tier.resident + nbytes <= tier.budget or tier.resident <= tier.budget:
                 break
             left = deadline - time.monotonic()
@@ -241,55 +253,158 @@ class Residency:
             self._cond.wait(left)
         tier.reserve(nbytes)
 
-    def _to_device(self, host: Resident) -> Resident:
+    def to_device(self, host: Resident) -> Resident:
         if host.buffer is not None:
-            buf = host.buffer.to(self._device)  # [nbytes] one transfer for the whole version
+            buf = host.buffer.to(self.device)  # [nbytes] one transfer for the whole version
             return Resident(buf, host.layout, tensor_views(buf, host.layout), host.nbytes)
-        tensors = {k: t.to(self._device) for k, t in host.tensors.items()}
+        tensors = {k: t.to(self.device) for k, t in host.tensors.items()}
         return Resident(None, host.layout, tensors, host.nbytes)
 
-    def _unpin(self, entry: VersionEntry) -> None:
+    # -- a resident copy held outside the LRU (the lagging model) ---------------------------
+    def hold_device(self, nbytes: int, version: int) -> None:
+        """Count ``nbytes`` in the device tier for good (making room first)."""
         with self._cond:
-            entry.pins -= 1
-            if entry.pins == 0 and entry.retired:
-                self._drop_memory_locked(entry)
-            self._evict_device_locked()
+            self._admit_device_locked(nbytes, version)
+            self.device_tier.reserve(0)
+            self.device_tier.add(nbytes, count=False)
+
+    def release_device(self, nbytes: int) -> None:
+        with self._cond:
+            self.device_tier.remove(nbytes, evicted=False, count=False)
             self._cond.notify_all()
 
-    # -- eviction ---------------------------------------------------------------------------
+    # -- CPU copies, decoded patches --------------------------------------------------------
+    def cpu_copy(self, version: int) -> Resident | None:
+        """A version's weights in a CPU buffer, if memory holds one (a rebuild base)."""
+        with self._lock:
+            m = self._mem.get(version)
+            if m is None:
+                return None
+            res = m.host if self.host_enabled else m.device if self.direct else None
+            return res if res is not None and res.buffer is not None else None
+
+    def cached_patch(self, version: int, key: str) -> Patch | None:
+        """The decoded patch of ``version`` if memory holds the one with file hash ``key``."""
+        with self._lock:
+            m = self._mem.get(version)
+            if m is None or m.patch is None or m.patch_key != key:
+                return None
+            m.patch_used, m.patch_tick = self._clock(), next(self._ticks)
+            return m.patch
+
+    def forget_patch(self, version: int) -> None:
+        """Drop a cached patch that no longer applies (its version was rebased)."""
+        with self._lock:
+            m = self._mem.get(version)
+            if m is not None and m.patch is not None:
+                self.cpu_tier.remove(m.patch.nbytes, evicted=False, count=False)
+                m.patch = None
+
+    def offer(self, version: int, item: Resident | Patch, patch_key: str = "") -> bool:
+        """Keep a CPU copy made anyway (a rebuild base, a decoded patch with its file hash
+        ``patch_key``, published weights) if it fits in the CPU tier by evicting only colder
+        copies; never waits, never goes over budget (counting a load in flight). False: the
+        caller just drops it."""
+        is_patch = isinstance(item, Patch)
+        cost = self._patch_cost(version) if is_patch else self._rebuild_cost(version)
+        with self._lock:
+            m = self._entry_locked(version)
+            if m.retired:
+                return False
+            held = m.patch if is_patch else m.host if self.host_enabled else m.device
+            if held is not None:
+                return False
+            tier = self.cpu_tier
+            n = item.nbytes
+            me = MemoryCandidate(version, n, self._clock(), 0, cost)
+            colder = [c for c in self._candidates_locked(tier) if c.keep_until < me.keep_until]
+            room = tier.budget - tier.reserved
+            if n > room:
+                return False
+            victims = memory_victim_parts(colder, resident=tier.resident, incoming=n, budget=room)
+            if tier.resident - sum(c.nbytes for c in victims) + n > room:
+                return False
+            for c in victims:
+                self._drop_part_locked(tier, c)
+            if isinstance(item, Patch):
+                m.patch, m.patch_key = item, patch_key
+                m.patch_used, m.patch_tick = self._clock(), next(self._ticks)
+                tier.add(n, count=False)
+            elif self.host_enabled:
+                m.host = item
+                tier.add(n)
+            else:
+                m.device = item
+                tier.add(n)
+            return True
+
+    # -- retirement, eviction ---------------------------------------------------------------
+    def retire(self, version: int) -> None:
+        """A deleted version: its copies go now, or when the last request holding it ends; a
+        load in flight is discarded."""
+        with self._cond:
+            m = self._mem.get(version)
+            if m is None:
+                return
+            m.retired = True
+            if m.pins == 0:
+                self._drop_locked(version)
+            self._cond.notify_all()
+
+    def evict(self, version: int) -> bool:
+        """Drop a version's weights from the memory tiers now (its decoded patch stays);
+        False if none was resident or it is in use."""
+        with self._cond:
+            m = self._mem.get(version)
+            if m is None or m.pins or (m.device is None and m.host is None):
+                return False
+            if m.device is not None:
+                self.device_tier.remove(m.device.nbytes, evicted=True)
+                m.device = None
+            if m.host is not None:
+                self.host_tier.remove(m.host.nbytes, evicted=True)
+                m.host = None
+            self._cond.notify_all()
+            return True
+
     def _candidates_locked(self, tier: TierAccount) -> list[MemoryCandidate]:
         out: list[MemoryCandidate] = []
-        patches_here = tier is self._cpu_tier
-        for v, e in self._entries.items():
-            if tier is self._device_tier and e.device is not None and e.pins == 0:
-                cost = 0.0 if e.host is not None else self._rebuild_cost_locked(e)
-                out.append(MemoryCandidate(v, e.device.nbytes, e.last_used, e.tick, cost))
-            if tier is self._host_tier and e.host is not None:
-                cost = self._rebuild_cost_locked(e)
-                out.append(MemoryCandidate(v, e.host.nbytes, e.last_used, e.tick, cost))
-            if patches_here and e.patch is not None:
-                cost = self._patch_cost_locked(e)
+        patches_here = tier is self.cpu_tier
+        for v, m in self._mem.items():
+            if tier is self.device_tier and m.device is not None and m.pins == 0:
+                cost = 0.0 if m.host is not None else self._rebuild_cost(v)
+                out.append(MemoryCandidate(v, m.device.nbytes, m.last_used, m.tick, cost))
+            if tier is self.host_tier and m.host is not None:
+                out.append(
+                    MemoryCandidate(v, m.host.nbytes, m.last_used, m.tick, self._rebuild_cost(v))
+                )
+            if patches_here and m.patch is not None:
                 out.append(
                     MemoryCandidate(
-                        v, e.patch.nbytes, e.patch_used, e.patch_tick, cost, part="patch"
+                        v,
+                        m.patch.nbytes,
+                        m.patch_used,
+                        m.patch_tick,
+                        self._patch_cost(v),
+                        part="patch",
                     )
                 )
         return out
 
     def _drop_part_locked(self, tier: TierAccount, c: MemoryCandidate) -> None:
-        e = self._entries[c.version]
+        m = self._mem[c.version]
         if c.part == "patch":
-            assert e.patch is not None
-            tier.remove(e.patch.nbytes, evicted=True, count=False)
-            e.patch = None
-        elif tier is self._device_tier:
-            assert e.device is not None
-            tier.remove(e.device.nbytes, evicted=True)
-            e.device = None
+            assert m.patch is not None
+            tier.remove(m.patch.nbytes, evicted=True, count=False)
+            m.patch = None
+        elif tier is self.device_tier:
+            assert m.device is not None
+            tier.remove(m.device.nbytes, evicted=True)
+            m.device = None
         else:
-            assert e.host is not None
-            tier.remove(e.host.nbytes, evicted=True)
-            e.host = None
+            assert m.host is not None
+            tier.remove(m.host.nbytes, evicted=True)
+            m.host = None
         logger.debug("evicted version %d (%s) from the %s tier", c.version, c.part, tier.name)
 
     def _evict_locked(self, tier: TierAccount, incoming: int = 0) -> None:
@@ -301,54 +416,56 @@ class Residency:
         ):
             self._drop_part_locked(tier, c)
 
-    def _evict_device_locked(self, incoming: int = 0) -> None:
-        self._evict_locked(self._device_tier, incoming)
+    def _drop_locked(self, version: int) -> None:
+        m = self._mem.pop(version, None)
+        if m is None:
+            return
+        if m.device is not None:
+            self.device_tier.remove(m.device.nbytes, evicted=False)
+        if m.host is not None:
+            self.host_tier.remove(m.host.nbytes, evicted=False)
+        if m.patch is not None:
+            self.cpu_tier.remove(m.patch.nbytes, evicted=False, count=False)
 
-    def _evict_host_locked(self) -> None:
-        self._evict_locked(self._host_tier)
+    # -- introspection ----------------------------------------------------------------------
+    def tiers(self, version: int) -> frozenset[str]:
+        with self._lock:
+            m = self._mem.get(version)
+            if m is None:
+                return frozenset()
+            return frozenset(t for t, r in ((DEVICE, m.device), (HOST, m.host)) if r is not None)
 
-    def _offer_locked(
-        self, entry: VersionEntry, item: Resident | Patch, *, rebuild_cost: float
-    ) -> bool:
-        """Keep a CPU copy made anyway (a rebuild base, a decoded patch, published weights)
-        if it fits in the CPU tier by evicting only colder copies; never waits, never goes
-        over budget (counting a load in flight). False: the caller just drops it."""
-        tier = self._cpu_tier
-        if entry.retired or entry.stored.version not in self._entries:
-            return False
-        is_patch = isinstance(item, Patch)
-        if entry.patch if is_patch else entry.host if self._host_enabled else entry.device:
-            return False  # already held
-        n = item.nbytes
-        me = MemoryCandidate(entry.stored.version, n, self._clock(), 0, rebuild_cost)
-        colder = [c for c in self._candidates_locked(tier) if c.keep_until < me.keep_until]
-        room = tier.budget - tier.reserved
-        if n > room:
-            return False
-        victims = memory_victim_parts(colder, resident=tier.resident, incoming=n, budget=room)
-        if tier.resident - sum(c.nbytes for c in victims) + n > room:
-            return False
-        for c in victims:
-            self._drop_part_locked(tier, c)
-        if isinstance(item, Patch):
-            entry.patch = item
-            entry.patch_used, entry.patch_tick = self._clock(), next(self._ticks)
-            tier.add(n, count=False)
-        elif self._host_enabled:
-            entry.host = item
-            tier.add(n)
-        else:
-            entry.device = item
-            tier.add(n)
-        return True
+    def pins(self, version: int) -> int:
+        with self._lock:
+            m = self._mem.get(version)
+            return 0 if m is None else m.pins
 
-    def _drop_memory_locked(self, entry: VersionEntry) -> None:
-        if entry.device is not None:
-            self._device_tier.remove(entry.device.nbytes, evicted=False)
-            entry.device = None
-        if entry.host is not None:
-            self._host_tier.remove(entry.host.nbytes, evicted=False)
-            entry.host = None
-        if entry.patch is not None:
-            self._cpu_tier.remove(entry.patch.nbytes, evicted=False, count=False)
-            entry.patch = None
+    def in_use(self) -> set[int]:
+        with self._lock:
+            return {v for v, m in self._mem.items() if m.pins > 0}
+
+    def has_patch(self, version: int) -> bool:
+        with self._lock:
+            m = self._mem.get(version)
+            return m is not None and m.patch is not None
+
+    def patch_bytes(self) -> int:
+        with self._lock:
+            return sum(m.patch.nbytes for m in self._mem.values() if m.patch is not None)
+
+    def resident_versions(self) -> list[int]:
+        """Versions with a device copy now, ascending."""
+        with self._lock:
+            return sorted(v for v, m in self._mem.items() if m.device is not None)
+
+    def clear(self) -> None:
+        """Drop every memory copy not in use, decoded patches too (benchmarks: a cold store)."""
+        with self._cond:
+            for v in [v for v, m in self._mem.items() if m.pins == 0]:
+                self._drop_locked(v)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            for v in list(self._mem):
+                self._drop_locked(v)

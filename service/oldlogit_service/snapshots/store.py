@@ -1,68 +1,180 @@
 """The snapshot store: every acknowledged policy version's weights, in tiers, within budgets.
 
-In: publishes (state dict or safetensors), acquires, leases, the watermark. Out: a version's
-tensors on the serving device, pinned while a request uses them. Thread-safe and
-model-agnostic (``param_specs`` is all it knows of the model); no asyncio, HTTP or Redis.
-Memory tiers (device, host) evict LRU to their byte budgets; the disk tier is retained by
-watermark, ``max_versions`` and byte budget, never deleting a leased version.
+In: publishes (state dict, safetensors, delta), acquires, leases, the watermark. Out: a
+version's tensors on the serving device, pinned while a request uses them. A thin facade over
+parts that each own one thing — ``Registry`` (durable records, retention), ``Residency``
+(memory tiers), ``Rebuilder`` (keyframe + patch chains), ``Publisher`` (ingest → verify →
+persist → register) — and the ``LaggingModel``. Thread-safe and model-agnostic
+(``param_specs`` is all it knows of the model); no asyncio, HTTP or Redis. Reads have no side
+effects: lease expiry and retention run in ``sweep``, which the service calls periodically.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import torch
 
-from oldlogit.errors import Conflict, InvalidRequest
-from oldlogit_service.snapshots import persist
-from oldlogit_service.snapshots.core import check_version
-from oldlogit_service.snapshots.deltas import Deltas
+from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, Unavailable, error_from_payload
+from oldlogit.weights import read_safetensors_header
+from oldlogit_service.snapshots import codec, ingest, persist
 from oldlogit_service.snapshots.lagging import LaggingModel
 from oldlogit_service.snapshots.leases import LeaseRecord
-from oldlogit_service.snapshots.records import VersionRecord
-from oldlogit_service.snapshots.residency import VersionEntry
-from oldlogit_service.snapshots.tiers import DISK
+from oldlogit_service.snapshots.publish import Claim, Publisher, check_sha
+from oldlogit_service.snapshots.rebuild import Rebuilder
+from oldlogit_service.snapshots.records import (
+    LaggingStats,
+    PublishOutcome,
+    StoreStats,
+    TierStats,
+    VersionRecord,
+)
+from oldlogit_service.snapshots.registry import Registry, check_version
+from oldlogit_service.snapshots.residency import Residency, Resident
+from oldlogit_service.snapshots.tiers import DISK, TierAccount
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SnapshotStore"]
 
-_COUNTERS = (
-    "device_hits",
-    "loads_disk",
-    "loads_host",
-    "load_waits",
-    "bytes_read",
-    "verified_loads",
-    "rebuilds",
-    "patches_applied",
-)
 
-
-class SnapshotStore(Deltas):
+class SnapshotStore:
     """Every acknowledged version's weights, served from the fastest tier that holds them.
 
-    ``SnapshotStore(root, *, param_specs, device, device_budget_bytes, host_budget_bytes,
-    disk_budget_bytes, max_versions, pin_host=None, clock=time.time, verify_first_load=True,
-    admission_timeout_s=60.0)``; the arguments are described on ``StoreCore.__init__``.
-
-    Decisions (DESIGN.md §3):
+    Decisions:
     - Memory tiers evict LRU among unpinned versions (ties: a copy one tier down first, then
-      the smaller). Device bytes stay <= budget + one snapshot: a load that would go further
-      (everything resident in use) waits for a release, up to ``admission_timeout_s``, then
-      raises ``Overloaded``.
-    - Disk: below the watermark first, then LRU while over ``max_versions`` or the byte
-      budget; never a leased or in-use version, never the newest for budget reasons. Deleted
-      versions are tombstoned (``VersionEvicted`` with the retained range), durably.
+      the smaller), credited with rebuild cost. Device bytes stay <= budget + one snapshot: a
+      load that would go further (everything resident in use) waits for a release, up to
+      ``admission_timeout_s``, then raises ``Overloaded``.
+    - Disk: below the watermark first, then LRU while over ``max_versions`` or the byte budget;
+      never a leased or in-use version, never the newest for budget reasons. Deleted versions
+      are tombstoned (``VersionEvicted`` with the retained range), durably.
     - The watermark only moves up; lowering it is refused (``InvalidRequest``).
     - Leases are persisted with wall-clock expiry, so they survive a restart.
-    - Versions are keyframes or patches (``chains``); memory tiers also hold decoded patches
-      and rebuild bases, and the LRU credits what a copy would cost to rebuild.
+    - Versions are keyframes or patches; deleting a version others are rebuilt from rewrites
+      them first, so no retained chain loses its keyframe.
     """
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        param_specs: Mapping[str, tuple[str, tuple[int, ...]]],
+        device: torch.device | str,
+        device_budget_bytes: int,
+        host_budget_bytes: int,
+        disk_budget_bytes: int,
+        max_versions: int,
+        pin_host: bool | None = None,
+        clock: Callable[[], float] = time.time,
+        verify_first_load: bool = True,
+        admission_timeout_s: float = 60.0,
+        keyframe_every: int = 1,
+        keyframe_chain_fraction: float = 1.0,
+        claim: Claim | None = None,
+        pinned_elsewhere: Callable[[], set[int]] | None = None,
+    ) -> None:
+        """``verify_first_load``: a version recovered from an earlier process has its weight
+        hash recomputed on its first load (one more pass over memory per version per process;
+        disk rot or tampering then fails loudly instead of answering with wrong weights).
+
+        Keyframe policy: a new version is stored as a patch against its parent unless that
+        would make its chain ``keyframe_every`` versions long (1: every version a keyframe) or
+        its chain's patches larger than ``keyframe_chain_fraction`` of one keyframe.
+
+        Scale-out: ``claim`` is the shared registry's claim, between "durable here" and
+        "visible anywhere"; ``pinned_elsewhere`` the versions leased on other replicas.
+        """
+        if max_versions < 1:
+            raise ValueError("max_versions must be >= 1")
+        if keyframe_every < 1 or not keyframe_chain_fraction > 0:
+            raise ValueError("keyframe_every must be >= 1 and keyframe_chain_fraction > 0")
+        dev = torch.device(device)
+        self._root = Path(root)
+        self._specs = ingest.normalize_specs(param_specs)
+        self._snapshot_nbytes = ingest.specs_nbytes(self._specs)
+        self._pinned_elsewhere = pinned_elsewhere
+        self._closed = False
+        self._retention_due = False
+        self._root.mkdir(parents=True, exist_ok=True)
+        (self._root / persist.WEIGHTS).mkdir(exist_ok=True)
+        self.registry = Registry(
+            self._root,
+            specs_sha256=ingest.specs_sha256(self._specs),
+            max_versions=int(max_versions),
+            disk_budget_bytes=int(disk_budget_bytes),
+            clock=clock,
+        )
+        self.residency = Residency(
+            device=dev,
+            device_budget_bytes=device_budget_bytes,
+            host_budget_bytes=host_budget_bytes,
+            pin_host=bool(dev.type == "cuda" if pin_host is None else pin_host),
+            clock=clock,
+            admission_timeout_s=admission_timeout_s,
+            materialize=lambda v: self.rebuilder.materialize(v),
+            rebuild_cost=lambda v: self.rebuilder.rebuild_cost(v),
+            patch_cost=lambda v: self.rebuilder.patch_cost(v),
+            gone=self.registry.missing_error,
+        )
+        self.rebuilder = Rebuilder(
+            registry=self.registry,
+            residency=self.residency,
+            weights_dir=self._root / persist.WEIGHTS,
+            specs=self._specs,
+            snapshot_nbytes=self._snapshot_nbytes,
+            keyframe_every=int(keyframe_every),
+            keyframe_chain_fraction=float(keyframe_chain_fraction),
+        )
+        self._publisher = Publisher(
+            registry=self.registry,
+            residency=self.residency,
+            rebuilder=self.rebuilder,
+            specs=self._specs,
+            snapshot_nbytes=self._snapshot_nbytes,
+            clock=clock,
+            claim=claim,
+        )
+        try:
+            self._lockfile = persist.lock_root(self._root)
+        except BlockingIOError as exc:
+            raise Conflict(str(exc), parameter="snapshot_dir") from exc
+        try:
+            self.registry.recover(self._file_ok)
+        except BaseException:
+            self._lockfile.close()
+            raise
+        if not verify_first_load:
+            for sv in self.registry.records().values():
+                self.rebuilder.mark_verified(sv)
+        self._lagging = LaggingModel(self)
+        if self.residency.device_tier.budget < self._snapshot_nbytes:
+            logger.warning(
+                "device budget %d B is below one version (%d B): every request reloads",
+                self.residency.device_tier.budget,
+                self._snapshot_nbytes,
+            )
+        self._retain()
+
+    def _file_ok(self, sv: persist.StoredVersion) -> bool:
+        """The file's table matches the model (a patch's bytes are checked when read)."""
+        try:
+            header = read_safetensors_header(self._root / persist.WEIGHTS / sv.file)
+        except OldLogitError:
+            return False
+        if sv.kind == "patch":
+            return header.file_size == sv.file_nbytes and sv.parent is not None
+        found = {n: (e.dtype, e.shape) for n, e in header.tensors.items()}
+        return found == self._specs and header.nbytes == sv.nbytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the snapshot store is closed")
 
     # -- acquire ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -74,239 +186,356 @@ class SnapshotStore(Deltas):
         """
         version = check_version(version)
         self._check_open()
-        self._after_op()
-        entry, resident = self._pin(version)
+        res = self.pin(version)
         try:
-            yield MappingProxyType(resident.tensors)
+            yield MappingProxyType(res.tensors)
         finally:
-            self._unpin(entry)
-            self._after_op()
+            self.residency.unpin(version)
 
-    _lagging: LaggingModel | None = None
+    def pin(self, version: int) -> Resident:
+        """Pin a retained version in device memory (``residency.unpin`` it after use)."""
+        sv = self.registry.get(version)  # UnknownVersion / VersionEvicted
+        self.registry.touch(version)
+        try:
+            return self.residency.pin(version, sv.nbytes)
+        except persist.CorruptSnapshot as exc:
+            raise self.quarantine(version, exc) from exc
+        except OldLogitError as exc:
+            # A load's followers re-raise a copy, so threads do not share one traceback.
+            raise error_from_payload(exc.to_payload()) from exc
 
     def acquire_lagging(
         self, version: int
     ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
         """Like ``acquire``, through the lagging model (``--strategy lagging``): one resident
         copy advanced by patches; a version it has passed comes from ``acquire``."""
-        with self._lock:
-            if self._lagging is None:
-                self._lagging = LaggingModel(self)
-            lag = self._lagging
-        return lag.acquire(version)
+        self._check_open()
+        return self._lagging.acquire(version)
 
+    def quarantine(self, version: int, exc: persist.CorruptSnapshot) -> OldLogitError:
+        """A file failed verification: its version goes (quarantined), with every version
+        rebuilt through it; returns the error for the request that found it."""
+        logger.error("version %d failed verification: %s", version, exc)
+        bad = exc.version if exc.version is not None else version
+        with self.registry.persist_lock:
+            try:
+                sv = self.registry.get(bad)
+            except OldLogitError:
+                sv = None
+            if sv is not None:
+                gone = (bad, *sorted(self.registry.descendants({bad})))
+                files = self.registry.remove(gone, replace={}, evicted=True)
+                for v in gone:
+                    self.residency.retire(v)
+                persist.quarantine(self._root, sv.file)
+                persist.remove_files(
+                    self._root / persist.WEIGHTS, [f for f in files if f != sv.file]
+                )
+                if len(gone) > 1:
+                    logger.error(
+                        "versions %s were rebuilt through version %d: gone too", gone[1:], bad
+                    )
+        return self.registry.missing_error(
+            version,
+            "its file (or one of the files it is rebuilt from) failed verification and was "
+            "quarantined",
+        )
+
+    # -- publish ----------------------------------------------------------------------------
+    def publish(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Path | str,
+        *,
+        expected_sha256: str | None = None,
+        cast: bool = False,
+    ) -> PublishOutcome:
+        """Publish a version from a state dict or a safetensors file/shard directory; visible
+        only once its file and registry record are durable. ``cast`` (state dicts only) casts
+        floating tensors to the serving dtype instead of refusing them."""
+        version = check_version(version)
+        expected = check_sha(expected_sha256)
+        self._check_open()
+        if isinstance(weights, (str, Path)):
+            if cast:
+                raise InvalidRequest("cast applies to state dicts only", parameter="cast")
+            out = self._publisher.publish_file(version, Path(weights), expected, move=False)
+        else:
+            out = self._publisher.publish_weights(version, weights, expected, cast)
+        self._retain()
+        return out
+
+    def publish_file(
+        self,
+        version: int,
+        path: Path | str,
+        *,
+        expected_sha256: str | None = None,
+        move: bool = False,
+    ) -> PublishOutcome:
+        """Publish from a safetensors file or shard directory; ``move``: an upload streamed
+        to ``staging_dir`` is renamed into the store instead of copied."""
+        version = check_version(version)
+        expected = check_sha(expected_sha256)
+        self._check_open()
+        out = self._publisher.publish_file(version, Path(path), expected, move=move)
+        self._retain()
+        return out
+
+    def publish_delta(
+        self,
+        version: int,
+        path: Path | str,
+        *,
+        parent: int | None = None,
+        expected_sha256: str | None = None,
+    ) -> PublishOutcome:
+        """Publish from a delta file (``oldlogit._delta`` format) against a retained parent;
+        ``ParentMissing`` when this store does not hold it with the weights the delta was
+        made against."""
+        version = check_version(version)
+        expected = check_sha(expected_sha256)
+        if parent is not None:
+            parent = check_version(parent, "parent")
+        self._check_open()
+        out = self._publisher.publish_delta(version, Path(path), parent, expected)
+        self._retain()
+        return out
+
+    def adopt(self, version: int, path: Path, expected_sha256: str) -> PublishOutcome:
+        """Take in a version another replica published to the shared volume (scale-out)."""
+        version = check_version(version)
+        self._check_open()
+        return self._publisher.adopt(version, Path(path), expected_sha256)
+
+    @property
+    def staging_dir(self) -> Path:
+        """Where uploads are streamed before ``publish_file(..., move=True)`` (same
+        filesystem, so the move is a rename; leftovers are cleared when the store opens)."""
+        d = self._root / persist.INCOMING
+        d.mkdir(exist_ok=True)
+        return d
+
+    # -- retention --------------------------------------------------------------------------
     def set_watermark(self, version: int) -> int:
         """The trainer will never ask below ``version``: unleased versions below it are deleted.
 
         Monotonic: an equal value is a no-op, a lower one is refused (its versions may already
-        be gone, so lowering could not bring them back). A watermark above the newest version
-        retires every unleased version, and later publishes must be at or above it.
-        Returns the watermark.
+        be gone, so lowering could not bring them back). Returns the watermark.
         """
         version = check_version(version)
         self._check_open()
-        with self._persist_lock:
-            with self._lock:
-                wm = self._watermark
-                if wm is not None and version < wm:
-                    raise InvalidRequest(
-                        f"the watermark is {wm} and only moves up; policy_version {version} "
-                        "is below it",
-                        parameter="policy_version",
-                    )
-                if wm == version:
-                    return version
-                doc = self._doc_locked(watermark=version)
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                self._watermark = version
-        logger.info("watermark set to %d", version)
-        self._retain()
+        if self.registry.set_watermark(version):
+            logger.info("watermark set to %d", version)
+            self._retain()
         return version
 
     def delete(self, version: int) -> bool:
         """Delete a version (tombstoned: requests get VersionEvicted). Refused while leased;
-        requests already holding it finish. Versions rebuilt through it are rewritten first
-        (rebased onto its parent, or made keyframes when it is their keyframe). False when
-        it was already gone."""
+        requests already holding it finish. Versions rebuilt through it are rewritten first.
+        False when it was already gone."""
         version = check_version(version)
         self._check_open()
-        with self._persist_lock:
-            with self._lock:
-                self._sweep_locked()
-                if version in self._tombstones:
-                    return False
-                self._live_locked(version)
-                n = self._leases.count(version)
-                if n:
-                    raise Conflict(
-                        f"policy_version {version} is held by {n} lease(s); release them first",
-                        parameter="policy_version",
-                        details={"leases": n},
-                    )
-            files = self._remove_versions((version,), evicted=False)
-            persist.remove_files(self._weights_dir, files)
+        with self.registry.persist_lock:
+            if not self.registry.check_deletable(version):
+                return False
+            self._remove((version,), evicted=False)
         logger.info("deleted version %d on request", version)
         return True
 
+    def _remove(self, versions: tuple[int, ...], *, evicted: bool) -> None:
+        """Delete versions durably, rewriting the versions that depend on them first. Call with
+        the registry's ``persist_lock`` held."""
+        rewrites = self.rebuilder.rewrites_for_removal(set(versions))
+        try:
+            files = self.registry.remove(versions, replace=rewrites, evicted=evicted)
+        except BaseException:
+            persist.remove_files(
+                self._root / persist.WEIGHTS, [sv.file for sv in rewrites.values()]
+            )
+            raise
+        for v in versions:
+            self.residency.retire(v)
+        for v in rewrites:
+            self.residency.forget_patch(v)  # it was against the old parent
+        persist.remove_files(self._root / persist.WEIGHTS, files)
+
+    def sweep(self) -> None:
+        """Expire leases and apply the disk retention rules (the service calls this
+        periodically; writes apply retention themselves). Failures are logged, not raised."""
+        if self._closed:
+            return
+        if self.registry.expire_leases():
+            self._retention_due = True
+        self._retain()
+
+    def _retain(self) -> None:
+        """Apply the disk rules after an operation that already succeeded: a failure here (a
+        full or read-only disk) is logged and retried by the next sweep, never reported as the
+        failure of that operation (a durable publish must not look failed)."""
+        try:
+            with self.registry.persist_lock:
+                self._retention_due = False
+                # A removal can rewrite a dependent version as a keyframe (more bytes): apply
+                # the rules again until they pick nothing; each round removes a version.
+                for _ in range(len(self.registry.records()) + 1):
+                    elsewhere = self._pinned_elsewhere() if self._pinned_elsewhere else set()
+                    victims, held = self.registry.retention_victims(
+                        self.residency.in_use(), elsewhere
+                    )
+                    self._retention_due = held  # retry once the request holding it lets go
+                    if not victims:
+                        return
+                    self._remove(tuple(v for v, _ in victims), evicted=True)
+                    for v, why in victims:
+                        logger.info("deleted version %d from disk (%s)", v, why)
+        except Exception:
+            logger.exception("disk retention failed; the next sweep retries it")
+            self._retention_due = True
+
     def evict(self, version: int) -> bool:
-        """Drop a version's weights from the memory tiers now (its decoded patch and the rest
-        stay); the next acquire rebuilds it. For operators and benchmarks; False if it was
-        not resident or is in use."""
+        """Drop a version's weights from the memory tiers now (its decoded patch stays); the
+        next acquire rebuilds it. For operators and benchmarks; False if it was not resident
+        or is in use."""
         version = check_version(version)
-        with self._cond:
-            e = self._live_locked(version)
-            if e.pins or (e.device is None and e.host is None):
-                return False
-            if e.device is not None:
-                self._device_tier.remove(e.device.nbytes, evicted=True)
-                e.device = None
-            if e.host is not None:
-                self._host_tier.remove(e.host.nbytes, evicted=True)
-                e.host = None
-            self._cond.notify_all()
-            return True
+        self.registry.get(version)
+        return self.residency.evict(version)
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, version: int, holder: str, ttl_s: float) -> LeaseRecord:
         """Keep ``version`` on disk until the lease is released or ``ttl_s`` passes."""
         version = check_version(version)
         self._check_open()
-        with self._persist_lock:
-            with self._lock:
-                self._sweep_locked()
-                self._live_locked(version)
-                rec = self._leases.new(version, holder, ttl_s)
-                doc = self._doc_locked(leases=self._leases.records(extra=rec))
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                self._leases.put(rec)
-        self._after_op()
-        return rec
-
-    def renew(self, lease_id: str, ttl_s: float) -> LeaseRecord:
-        """Extend a live lease to ``ttl_s`` from now."""
-        self._check_open()
-        with self._persist_lock:
-            with self._lock:
-                self._sweep_locked()
-                rec = self._leases.renewed(lease_id, ttl_s)
-                doc = self._doc_locked(leases=self._leases.records(extra=rec))
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                self._leases.put(rec)
-        self._after_op()
-        return rec
+        return self.registry.lease(version, holder, ttl_s)
 
     def release(self, lease_id: str) -> LeaseRecord:
         """End a lease; versions it alone kept (below the watermark) are deleted now."""
         self._check_open()
-        with self._persist_lock:
-            with self._lock:
-                self._sweep_locked()
-                rec = self._leases.get(lease_id)
-                doc = self._doc_locked(leases=self._leases.records(without=lease_id))
-            persist.write_registry(self._root, doc)
-            with self._lock:
-                self._leases.remove(lease_id)
+        rec = self.registry.release(lease_id)
         self._retain()
         return rec
 
+    def leases(self) -> list[LeaseRecord]:
+        return self.registry.leases()
+
     # -- introspection ----------------------------------------------------------------------
-    def _record_locked(self, e: VersionEntry) -> VersionRecord:
+    def _record(self, sv: persist.StoredVersion) -> VersionRecord:
+        v = sv.version
         return VersionRecord(
-            version=e.stored.version,
-            sha256=e.stored.sha256,
-            nbytes=e.stored.nbytes,
-            tiers=e.tiers(),
-            kind=e.stored.kind,
-            parent=e.stored.parent,
-            stored_nbytes=e.stored.disk_nbytes,
-            leases=self._leases.count(e.stored.version),
-            created_at=e.stored.created_at,
-            last_used=e.last_used,
-            in_use=e.pins,
+            version=v,
+            sha256=sv.sha256,
+            nbytes=sv.nbytes,
+            tiers=self.residency.tiers(v) | {DISK},
+            kind=sv.kind,
+            parent=sv.parent,
+            stored_nbytes=sv.disk_nbytes,
+            leases=self.registry.lease_count(v),
+            created_at=sv.created_at,
+            last_used=self.registry.last_used(v),
+            in_use=self.residency.pins(v),
+            file=sv.file,
+            patch_cached=self.residency.has_patch(v),
         )
 
     def versions(self) -> list[VersionRecord]:
         """Every retained version, ascending."""
-        self._after_op()
-        with self._lock:
-            self._sweep_locked()
-            return [self._record_locked(self._entries[v]) for v in sorted(self._entries)]
+        records = self.registry.records()
+        return [self._record(records[v]) for v in sorted(records)]
 
     def info(self, version: int) -> VersionRecord:
-        version = check_version(version)
-        self._after_op()
-        with self._lock:
-            self._sweep_locked()
-            return self._record_locked(self._live_locked(version))
+        return self._record(self.registry.get(check_version(version)))
 
     def sha256(self, version: int) -> str:
-        version = check_version(version)
-        self._after_op()
-        with self._lock:
-            return self._live_locked(version).stored.sha256
+        return self.registry.get(check_version(version)).sha256
 
-    def leases(self) -> list[LeaseRecord]:
-        with self._lock:
-            self._sweep_locked()
-            return self._leases.records()
+    def has(self, version: int) -> bool:
+        """Whether this store retains ``version`` (no error for unknown ones)."""
+        return self.registry.has(version)
 
     @property
     def watermark(self) -> int | None:
-        return self._watermark
+        return self.registry.watermark
 
     @property
     def newest(self) -> int | None:
         """The newest version ever acknowledged (it may since have been deleted)."""
-        return self._newest
+        return self.registry.newest
 
     @property
     def snapshot_nbytes(self) -> int:
         return self._snapshot_nbytes
 
-    def retained_range(self) -> tuple[int, int] | None:
-        with self._lock:
-            return self._retained_locked()
+    @property
+    def device(self) -> torch.device:
+        return self.residency.device
 
-    def stats(self) -> dict[str, Any]:
+    def retained_range(self) -> tuple[int, int] | None:
+        return self.registry.retained_range()
+
+    def stats(self) -> StoreStats:
         """Live numbers for metrics: bytes/budget/versions per tier, evictions, loads."""
-        with self._lock:
-            self._sweep_locked()
-            tiers = {
-                "device": self._device_tier.as_dict(),
-                "host": self._host_tier.as_dict(),
-                DISK: self._disk.as_dict(),
-            }
-            return {
-                "tiers": tiers,
-                "evictions": {k: t["evictions"] for k, t in tiers.items()},
-                "versions": len(self._entries),
-                "newest": -1 if self._newest is None else self._newest,
-                "watermark": -1 if self._watermark is None else self._watermark,
-                "leases": len(self._leases),
-                "tombstones": len(self._tombstones),
-                "in_use": sum(e.pins for e in self._entries.values()),
-                "publishes": self._publishes,
-                "snapshot_bytes": self._snapshot_nbytes,
-                "load_seconds": self._load_seconds,
-                **{k: self._counters.get(k, 0) for k in _COUNTERS},
-                "lagging": {} if self._lagging is None else dict(self._lagging.counters),
-            }
+
+        def tier(t: TierAccount) -> TierStats:
+            return TierStats(t.resident, t.budget, t.versions, t.evictions, t.peak)
+
+        r, m, b = self.registry, self.residency, self.rebuilder
+        lag = self._lagging.counters
+        return StoreStats(
+            tiers={"device": tier(m.device_tier), "host": tier(m.host_tier), DISK: tier(r.disk)},
+            versions=len(r.records()),
+            newest=r.newest,
+            watermark=r.watermark,
+            leases=r.lease_total(),
+            tombstones=r.tombstone_count,
+            in_use=len(m.in_use()),
+            publishes=r.publishes,
+            snapshot_bytes=self._snapshot_nbytes,
+            patch_bytes=m.patch_bytes(),
+            load_seconds=m.load_seconds,
+            device_hits=m.counters["device_hits"],
+            loads_disk=m.counters["loads_disk"],
+            loads_host=m.counters["loads_host"],
+            load_waits=m.counters["load_waits"],
+            bytes_read=b.counters["bytes_read"],
+            verified_loads=b.counters["verified_loads"],
+            rebuilds=b.counters["rebuilds"],
+            patches_applied=b.counters["patches_applied"],
+            lagging=LaggingStats(**lag),
+        )
+
+    # -- the lagging model's view (``lagging.ChainSource``) -----------------------------------
+    def chain(self, version: int) -> list[persist.StoredVersion]:
+        return self.registry.chain(version)
+
+    def load_patch(self, sv: persist.StoredVersion) -> codec.Patch:
+        return self.rebuilder.load_patch(sv)
+
+    def materialize(self, version: int) -> Resident:
+        return self.rebuilder.materialize(version)
+
+    def to_device(self, res: Resident) -> Resident:
+        return self.residency.to_device(res)
+
+    def hold_device(self, nbytes: int, version: int) -> None:
+        self.residency.hold_device(nbytes, version)
+
+    def release_device(self, nbytes: int) -> None:
+        self.residency.release_device(nbytes)
+
+    def is_verified(self, sv: persist.StoredVersion) -> bool:
+        return self.rebuilder.is_verified(sv)
+
+    def mark_verified(self, sv: persist.StoredVersion) -> None:
+        self.rebuilder.mark_verified(sv)
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
         """Drop memory copies and free the directory for another process."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for e in self._entries.values():
-                self._drop_memory_locked(e)
-            lag, self._lagging = self._lagging, None
-        if lag is not None:
-            lag.close()
+        if self._closed:
+            return
+        self._closed = True
+        self._lagging.close()
+        self.residency.close()
         self._lockfile.close()
 
     def __enter__(self) -> SnapshotStore:

@@ -233,7 +233,7 @@ class VersionInfo(_Model):
     weight_sha256: str
     nbytes: int  # bytes of the full weights in the serving dtype
     tiers: list[str]  # where it is resident now: "device", "host", "disk"
-    kind: str = "keyframe"  # "keyframe" or "patch" (issue C)
+    kind: str = "keyframe"  # "keyframe" or "patch" (README "Delta snapshots")
     parent: int | None = None
     leases: int = 0
     created_at: float = 0.0  # unix seconds of the publish

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     # snapshot: random access to any retained version; lagging: one resident model advanced
     # version by version, requests served in version order (passed versions: snapshot path).
     strategy: Literal["snapshot", "lagging"] = "snapshot"
-    # Scale-out (issue D).
+    # Scale-out (README "Scale-out").
     redis_url: str | None = None
     cache_redis_url: str | None = None
     namespace: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # keys per deployment

@@ -209,10 +209,6 @@ class Scheduler:
     def queued_tokens(self) -> int:
         return self._state.queued_tokens
 
-    def idle(self) -> bool:
-        with self._cond:
-            return self._state.depth == 0 and not self._state.running
-
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued job is done (or ``timeout_s``); True when drained."""
         end = time.monotonic() + timeout_s

@@ -18,7 +18,7 @@ from oldlogit_service.snapshots.tiers import (
     DiskCandidate,
     MemoryCandidate,
     disk_victims,
-    memory_victims,
+    memory_victim_parts,
 )
 
 SPECS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -196,9 +196,12 @@ def test_policies_pure() -> None:
         MemoryCandidate(2, 10, last_used=5.0, tick=2, rebuild_cost=0),  # a host copy: cheaper
         MemoryCandidate(3, 10, last_used=1.0, tick=3, rebuild_cost=1),
     ]
-    assert memory_victims(cands, resident=30, incoming=10, budget=30) == [3]
-    assert memory_victims(cands, resident=30, incoming=10, budget=15) == [3, 2, 1]
-    assert memory_victims(cands, resident=30, incoming=0, budget=30) == []
+    def victims(**kw: int) -> list[int]:
+        return [c.version for c in memory_victim_parts(cands, **kw)]
+
+    assert victims(resident=30, incoming=10, budget=30) == [3]
+    assert victims(resident=30, incoming=10, budget=15) == [3, 2, 1]
+    assert victims(resident=30, incoming=0, budget=30) == []
     disk = [
         DiskCandidate(1, 10, 9.0, leased=False, in_use=False),
         DiskCandidate(2, 10, 1.0, leased=True, in_use=False),

@@ -1,4 +1,4 @@
-"""The two log-ratios of DESIGN.md §1, per token, with their mask.
+"""The two log-ratios of π_θ / μ (discrepancy, staleness), per token, with their mask.
 
 In: per-token logprobs [B, T] — π_θ (the trainer's forward, with grad), π_old (oldlogit's
 training-side logprobs at each token's sampling version) and μ (the inference engine's) — and a

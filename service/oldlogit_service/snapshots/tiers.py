@@ -20,7 +20,6 @@ __all__ = [
     "TierAccount",
     "disk_victims",
     "memory_victim_parts",
-    "memory_victims",
 ]
 
 DEVICE = "device"
@@ -110,14 +109,6 @@ def memory_victim_parts(
         out.append(c)
         resident -= c.nbytes
     return out
-
-
-def memory_victims(
-    candidates: Iterable[MemoryCandidate], *, resident: int, incoming: int, budget: int
-) -> list[int]:
-    """The versions ``memory_victim_parts`` drops."""
-    parts = memory_victim_parts(candidates, resident=resident, incoming=incoming, budget=budget)
-    return [c.version for c in parts]
 
 
 @dataclass(frozen=True)

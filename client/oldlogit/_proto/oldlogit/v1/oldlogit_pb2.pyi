@@ -188,7 +188,7 @@ class VersionHash(_message.Message):
     policy_version: _builtins.int
     """The policy version."""
     sha256: _builtins.str
-    """sha256 (hex) over the version's weights, as defined in DESIGN.md §3."""
+    """sha256 (hex) over the version's weights (oldlogit.weights.weight_sha256; README)."""
     def __init__(
         self,
         *,

@@ -15,22 +15,17 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from oldlogit.errors import OldLogitError, UnknownVersion, VersionEvicted
+from oldlogit.errors import UnknownVersion, VersionEvicted
 from oldlogit.weights import weight_sha256
-from oldlogit_service.engine import Engine, Job
 from oldlogit_service.model import LoadedModel
-from oldlogit_service.scheduler import map_exception
 
 if TYPE_CHECKING:
     from oldlogit_service.snapshots import SnapshotStore
@@ -53,20 +48,25 @@ class EwmaSnapshot:
     last_version: int
     count: int  # versions folded in so far
 
+    @property
+    def source(self) -> int:
+        """The scheduler's name for these weights: below 0, one per average (it grows with
+        every fold, so one name never stands for two sets of weights)."""
+        return -1 - self.count
+
 
 class EwmaProxy:
     """Folds published versions into a bias-corrected EMA and answers jobs under it.
 
     ``fold``/``catch_up`` are serialised by one lock; readers take ``snapshot()`` once per
-    request, so a concurrent publish never mixes two averages in one answer. Jobs run on their
-    own ``Engine`` (a second skeleton of the same architecture: the scheduler's engine is not
-    thread-safe) on one worker thread.
+    request, so a concurrent publish never mixes two averages in one answer. Jobs under a
+    snapshot run through the scheduler like every other job (same queue limit, deadlines,
+    overload behaviour), with the snapshot's weights as their source (``EwmaSnapshot.source``).
     """
 
     def __init__(
         self,
         model: LoadedModel,
-        engine: Engine,
         *,
         beta: float,
         state_dir: Path | None = None,
@@ -74,7 +74,6 @@ class EwmaProxy:
         if not (isinstance(beta, float | int) and 0.0 < beta < 1.0):
             raise ValueError(f"ewma beta must be in (0, 1), got {beta!r}")
         self.model = model
-        self.engine = engine
         self.beta = float(beta)
         self.state_dir = state_dir
         self._lock = threading.Lock()
@@ -83,7 +82,6 @@ class EwmaProxy:
         self._count = 0
         self._last = -1
         self._snapshot: EwmaSnapshot | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oldlogit-ewma")
         if state_dir is not None:
             self._load()
 
@@ -247,23 +245,6 @@ class EwmaProxy:
             served = cpu if device.type == "cpu" else {k: v.to(device) for k, v in cpu.items()}
             self._snapshot = EwmaSnapshot(served, weight_sha256(cpu), self._last, self._count)
         logger.info("ewma: restored %d folded version(s) up to %d", self._count, self._last)
-
-    # -- serving -----------------------------------------------------------------------------
-    def submit(self, snapshot: EwmaSnapshot, job: Job) -> Future[npt.NDArray[np.float32]]:
-        """Run ``job`` under ``snapshot``'s weights on the proxy's worker thread."""
-
-        def run() -> npt.NDArray[np.float32]:
-            try:
-                return self.engine.run(snapshot.weights, [job])[0].numpy()
-            except OldLogitError:
-                raise
-            except Exception as exc:  # the scheduler's one mapping of foreign exceptions
-                raise map_exception(exc) from exc
-
-        return self._pool.submit(run)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def resolve_hashes(

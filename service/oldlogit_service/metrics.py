@@ -31,6 +31,7 @@ class ServiceState:
     cache: CacheStats
     queue_depth: int
     queue_tokens: int
+    load_queue: int  # queued versions the load stage has not made resident yet
     ready: bool
     newest_resident: dict[str, int]  # per memory tier, the newest version it holds (-1: none)
 
@@ -113,6 +114,11 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "oldlogit_queue_tokens", "Tokens waiting in the scheduler", value=s.queue_tokens
         )
+        yield GaugeMetricFamily(
+            "oldlogit_load_queue_depth",
+            "Queued versions waiting for the load stage to make them resident",
+            value=s.load_queue,
+        )
         yield CounterMetricFamily("oldlogit_cache_hits", "Result cache hits", value=s.cache.hits)
         yield CounterMetricFamily(
             "oldlogit_cache_misses", "Result cache misses", value=s.cache.misses
@@ -162,6 +168,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.load_seconds = Histogram(
+            "oldlogit_load_seconds",
+            "Time the load stage took to make a version resident (read, rebuild, copy)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.tokens = Counter(
             "oldlogit_tokens", "Tokens forwarded (rate() gives tokens/s)", registry=r
         )
@@ -190,6 +202,9 @@ class Metrics:
     # SchedulerObserver
     def on_queue_wait(self, seconds: float) -> None:
         self.queue_wait.observe(seconds)
+
+    def on_load(self, seconds: float, waiting: int) -> None:
+        self.load_seconds.observe(seconds)
 
     def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None:
         self.batch_tokens.observe(tokens)

@@ -171,8 +171,6 @@ class Runtime:
             self._sweeper.join(timeout=10)
         self.control.stop()
         self.scheduler.close()
-        if self.ewma is not None:
-            self.ewma.close()
 
     def state(self) -> ServiceState:
         records = self.store.versions()
@@ -185,6 +183,7 @@ class Runtime:
             cache=self.cache.stats(),
             queue_depth=self.scheduler.depth,
             queue_tokens=self.scheduler.queued_tokens,
+            load_queue=self.scheduler.load_waiting(),
             ready=self.ready,
             newest_resident=newest,
         )
@@ -278,11 +277,13 @@ class Runtime:
                             top_p=float(p.plan.sampling.top_p),
                         ),
                     )
+                    source = None
                     if p.version in proxied:
-                        assert self.ewma is not None and snap is not None  # resolve_hashes
-                        p.future = self.ewma.submit(snap, job)
-                    else:
-                        p.future = self.scheduler.submit(p.version, job, deadline=deadline)
+                        assert snap is not None  # resolve_hashes
+                        source = (snap.source, snap.weights)
+                    p.future = self.scheduler.submit(
+                        p.version, job, deadline=deadline, weights=source
+                    )
             waits = [asyncio.wrap_future(p.future) for p in pending if p.future is not None]
             if waits:
                 try:

@@ -1,40 +1,68 @@
-"""Version-aware dynamic batching: the only part that knows both the store and the engine.
+"""Version-aware batching in two stages: loads and forwards never wait on each other.
 
-In: work items (one version, one engine job, a future) from the runtime. Out: each future
+In: work items (a weights source, one engine job, a future) from the runtime. Out: each future
 resolved with the job's logprobs or failed with a mapped error. A batch never mixes versions.
-``pick_batch`` (snapshot route) and ``pick_batch_lagging`` (lagging route: version order) are
-the pure policies, tested with plain deques; ``Scheduler`` is the one loop that runs one on a
-worker thread, so the event loop stays free while a forward runs.
+The **load stage** (a thread) looks ahead over the queue and makes the versions the next
+batches need device-resident, holding each until its queued work is done (at most
+``prefetch`` versions ahead, within the device budget); the **compute stage** (another thread)
+runs batches only of versions already held, so a hot version keeps being served while a cold
+one loads. ``pick_batch`` / ``pick_batch_lagging`` / ``pick_load`` are the pure policies,
+tested with plain deques. Weights sources: a policy version (the store), or the EWMA proxy
+(numbered below 0, always resident).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from oldlogit.errors import DeadlineExceeded, InternalError, OldLogitError, Overloaded, Unavailable
 
 if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's business
     from oldlogit_service.engine import Engine, Job
-    from oldlogit_service.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
 Result = npt.NDArray[np.float32]
 
 
+class WeightsSource(Protocol):
+    """What the scheduler needs from the snapshot store (``SnapshotStore`` implements it)."""
+
+    def hold(self, version: int) -> None:
+        """Make ``version`` device-resident and keep it so until ``unhold`` (may load)."""
+        ...
+
+    def unhold(self, version: int) -> None: ...
+
+    def resident(self, version: int) -> bool:
+        """Device-resident right now (an acquire would not load)."""
+        ...
+
+    def acquire(
+        self, version: int
+    ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]: ...
+
+    def acquire_lagging(
+        self, version: int
+    ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]: ...
+
+
 @dataclass
 class WorkItem:
-    version: int
+    version: int  # a policy version, or a proxy source (< 0)
     job: Job
     future: Future[Result]
     enqueued_at: float  # time.monotonic()
@@ -57,13 +85,15 @@ def pick_batch(
     current: int | None,
     now: float,
     policy: BatchPolicy,
+    ready: set[int] | None = None,
 ) -> tuple[int, list[WorkItem]] | None:
-    """Pop the next batch (one version, FIFO within it) from ``queues``; None if all empty.
+    """Pop the next batch (one version, FIFO within it) from ``queues``; None if none runs.
 
-    Order: the version the engine used last, while it has work and no other version starves;
-    otherwise the version whose oldest item has waited longest.
+    Only versions in ``ready`` (None: all) are considered. Order: the version the engine used
+    last, while it has work and no other version starves; otherwise the version whose oldest
+    item has waited longest.
     """
-    live = {v: q for v, q in queues.items() if q}
+    live = {v: q for v, q in queues.items() if q and (ready is None or v in ready)}
     if not live:
         return None
     oldest = min(live, key=lambda v: live[v][0].enqueued_at)
@@ -81,20 +111,54 @@ def pick_batch_lagging(
     current: int | None,
     now: float,
     policy: BatchPolicy,
+    ready: set[int] | None = None,
 ) -> tuple[int, list[WorkItem]] | None:
     """The lagging route's policy: the smallest queued version first, FIFO within it.
 
     The lagging model only moves forward, so serving in version order lets it advance one
     patch at a time; a request for a version it has passed is still served first among what is
-    queued (by the snapshot path). Same signature as ``pick_batch``; ``current`` and ``now``
-    do not matter here.
+    queued (by the snapshot path). Same signature as ``pick_batch``; ``current``, ``now`` and
+    ``ready`` do not matter here (the lagging model loads in order, in the compute stage).
     """
-    del current, now
+    del current, now, ready
     live = [v for v, q in queues.items() if q]
     if not live:
         return None
     version = min(live)
     return version, _fill(queues, version, policy)
+
+
+def pick_load(
+    queues: dict[int, deque[WorkItem]],
+    *,
+    held: set[int],
+    running: int | None,
+    now: float,
+    policy: BatchPolicy,
+    limit: int,
+    resident: AbstractSet[int] = frozenset(),
+) -> tuple[int | None, int | None]:
+    """What the load stage does next: (version to make resident, held version to let go).
+
+    The queued version whose oldest item has waited longest and is neither held nor resident
+    already is loaded while fewer than ``limit`` are held; at the limit, only once that item
+    has waited ``max_switch_delay_s``, and then a held version other than the running one
+    (the one with the youngest work) is let go for it: no version starves behind two hot
+    ones. Proxy sources (< 0) are always resident.
+    """
+    waiting = [v for v, q in queues.items() if q and v >= 0 and v not in held and v not in resident]
+    if not waiting:
+        return None, None
+    nxt = min(waiting, key=lambda v: queues[v][0].enqueued_at)
+    if len(held) < limit:
+        return nxt, None
+    if now - queues[nxt][0].enqueued_at < policy.max_switch_delay_s:
+        return None, None
+    others = [v for v in held if v != running]
+    if not others:
+        return None, None
+    victim = max(others, key=lambda v: queues[v][0].enqueued_at if queues.get(v) else float("inf"))
+    return nxt, victim
 
 
 def _fill(queues: dict[int, deque[WorkItem]], version: int, policy: BatchPolicy) -> list[WorkItem]:
@@ -114,6 +178,7 @@ def _fill(queues: dict[int, deque[WorkItem]], version: int, policy: BatchPolicy)
 class SchedulerObserver(Protocol):
     def on_queue_wait(self, seconds: float) -> None: ...
     def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None: ...
+    def on_load(self, seconds: float, waiting: int) -> None: ...
 
 
 class _NullObserver:
@@ -121,6 +186,9 @@ class _NullObserver:
         pass
 
     def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def on_load(self, seconds: float, waiting: int) -> None:
         pass
 
 
@@ -139,44 +207,69 @@ class _State:
     queued_tokens: int = 0
     running: bool = False  # a batch is being executed
     current: int | None = None
+    held: set[int] = field(default_factory=set)  # versions the load stage holds resident
 
 
 class Scheduler:
-    """Queues work per version and runs batches on one worker thread."""
+    """Queues work per weights source; a load stage and a compute stage on two threads."""
 
     def __init__(
         self,
         engine: Engine,
-        store: SnapshotStore,
+        store: WeightsSource,
         *,
         policy: BatchPolicy,
         max_queue: int,
         observer: SchedulerObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         strategy: Literal["snapshot", "lagging"] = "snapshot",
+        prefetch: int = 2,
     ) -> None:
-        """``strategy="lagging"``: batches in version order, weights from the store's lagging
-        model (``SnapshotStore.acquire_lagging``)."""
+        """``prefetch``: versions the load stage may hold for queued work at once (the batch
+        running and the next ones); bounded by the device budget by its caller.
+        ``strategy="lagging"``: batches in version order, weights from the store's lagging
+        model, loaded by the compute stage itself (it advances in place)."""
         self._engine = engine
         self._store = store
         self._lagging = strategy == "lagging"
         self._pick = pick_batch_lagging if self._lagging else pick_batch
         self._policy = policy
         self._max_queue = max_queue
+        self._prefetch = max(1, prefetch)
         self._observer = observer or _NullObserver()
         self._clock = clock
         self._state = _State()
         self._cond = threading.Condition()
         self._closed = False
         self._avg_batch_s = 0.05  # running estimate, for Retry-After
-        self._thread = threading.Thread(target=self._loop, name="oldlogit-scheduler", daemon=True)
-        self._thread.start()
+        self._proxies: dict[int, Mapping[str, torch.Tensor]] = {}
+        self._compute = threading.Thread(
+            target=self._compute_loop, name="oldlogit-compute", daemon=True
+        )
+        self._loader = threading.Thread(target=self._load_loop, name="oldlogit-loader", daemon=True)
+        self._compute.start()
+        if not self._lagging:
+            self._loader.start()
 
     # -- producer side -------------------------------------------------------------------
-    def submit(self, version: int, job: Job, *, deadline: float | None = None) -> Future[Result]:
+    def submit(
+        self,
+        version: int,
+        job: Job,
+        *,
+        deadline: float | None = None,
+        weights: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+    ) -> Future[Result]:
+        """Queue a job for ``version``; ``weights=(source, tensors)``: run it with these
+        resident weights instead (the EWMA proxy: ``source`` < 0 names them)."""
         fut: Future[Result] = Future()
+        key = version
+        if weights is not None:
+            key, tensors = weights
+            if key >= 0:
+                raise ValueError("a proxy weights source is numbered below 0")
         item = WorkItem(
-            version=version,
+            version=key,
             job=job,
             future=fut,
             enqueued_at=self._clock(),
@@ -191,10 +284,12 @@ class Scheduler:
                     f"the queue is full ({self._max_queue} jobs); retry later",
                     retry_after_s=self._retry_after(),
                 )
-            self._state.queues.setdefault(version, deque()).append(item)
+            if weights is not None:
+                self._proxies[key] = tensors
+            self._state.queues.setdefault(key, deque()).append(item)
             self._state.depth += 1
             self._state.queued_tokens += item.ntokens
-            self._cond.notify()
+            self._cond.notify_all()
         return fut
 
     def _retry_after(self) -> float:
@@ -208,6 +303,14 @@ class Scheduler:
     @property
     def queued_tokens(self) -> int:
         return self._state.queued_tokens
+
+    def load_waiting(self) -> int:
+        """Queued versions not resident yet (the load stage's backlog)."""
+        with self._cond:
+            st = self._state
+            return sum(1 for v, q in st.queues.items() if q and v >= 0) - len(
+                self._resident_locked()
+            )
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued job is done (or ``timeout_s``); True when drained."""
@@ -231,11 +334,87 @@ class Scheduler:
         for it in pending:
             if not it.future.done():
                 it.future.set_exception(Unavailable("the service shut down", retry_after_s=1.0))
-        self._thread.join(timeout=10)
+        self._compute.join(timeout=10)
+        if self._loader.is_alive():
+            self._loader.join(timeout=10)
+        with self._cond:
+            held, self._state.held = self._state.held, set()
+        for v in held:
+            self._store.unhold(v)
 
-    # -- worker side ---------------------------------------------------------------------
+    # -- load stage ----------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    st = self._state
+                    self._release_idle_locked()
+                    version, victim = pick_load(
+                        st.queues,
+                        held=st.held,
+                        running=st.current if st.running else None,
+                        now=self._clock(),
+                        policy=self._policy,
+                        limit=self._prefetch,
+                        resident=self._resident_locked(),
+                    )
+                    if version is not None:
+                        break
+                    self._cond.wait(0.5 if st.depth == 0 else self._policy.max_switch_delay_s)
+                if victim is not None:
+                    st.held.discard(victim)
+                waiting = sum(1 for v, q in st.queues.items() if q and v >= 0) - len(
+                    self._resident_locked()
+                )
+            if victim is not None:
+                self._store.unhold(victim)
+            start = self._clock()
+            try:
+                self._store.hold(version)
+            except BaseException as exc:
+                self._fail_version(version, map_exception(exc))
+                continue
+            self._observer.on_load(self._clock() - start, waiting)
+            with self._cond:
+                if self._closed:
+                    self._store.unhold(version)
+                    return
+                self._state.held.add(version)
+                self._cond.notify_all()
+
+    def _resident_locked(self) -> set[int]:
+        """Queued versions whose weights are on the device already (held or not)."""
+        st = self._state
+        return {
+            v
+            for v, q in st.queues.items()
+            if q and v >= 0 and (v in st.held or self._store.resident(v))
+        }
+
+    def _release_idle_locked(self) -> None:
+        """Let go of held versions with no queued work once the compute stage is not on them
+        (they stay resident until the LRU needs the room)."""
+        st = self._state
+        busy = st.current if st.running else None
+        for v in [v for v in st.held if not st.queues.get(v) and v != busy]:
+            st.held.discard(v)
+            self._store.unhold(v)
+
+    def _fail_version(self, version: int, err: OldLogitError) -> None:
+        with self._cond:
+            items = list(self._state.queues.pop(version, ()))
+            self._state.depth -= len(items)
+            self._state.queued_tokens -= sum(it.ntokens for it in items)
+            self._cond.notify_all()
+        for it in items:
+            if it.future.set_running_or_notify_cancel():
+                it.future.set_exception(err)
+
+    # -- compute stage -------------------------------------------------------------------
     def _take(self) -> tuple[int, list[WorkItem]] | None:
-        """Wait for a batch worth running; None when closed."""
+        """Wait for a batch worth running whose weights are resident; None when closed."""
         with self._cond:
             while True:
                 if self._closed:
@@ -252,8 +431,14 @@ class Scheduler:
                 ):
                     self._cond.wait(self._policy.max_wait_s - waited)
                     continue
-                picked = self._pick(st.queues, current=st.current, now=now, policy=self._policy)
-                if picked is None:  # pragma: no cover - depth said otherwise
+                ready = None
+                if not self._lagging:  # resident versions run; the others wait for the load stage
+                    ready = self._resident_locked() | {v for v in st.queues if v < 0}
+                picked = self._pick(
+                    st.queues, current=st.current, now=now, policy=self._policy, ready=ready
+                )
+                if picked is None:  # everything queued is still loading
+                    self._cond.wait(0.05)
                     continue
                 version, items = picked
                 st.depth -= len(items)
@@ -262,7 +447,7 @@ class Scheduler:
                 st.current = version
                 return version, items
 
-    def _loop(self) -> None:
+    def _compute_loop(self) -> None:
         while True:
             picked = self._take()
             if picked is None:
@@ -273,7 +458,20 @@ class Scheduler:
             finally:
                 with self._cond:
                     self._state.running = False
+                    if version < 0 and version not in self._state.queues:
+                        self._proxies.pop(version, None)
                     self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def _weights(self, version: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        if version < 0:
+            yield self._proxies[version]
+        elif self._lagging:
+            with self._store.acquire_lagging(version) as w:
+                yield w
+        else:
+            with self._store.acquire(version) as w:  # held resident by the load stage
+                yield w
 
     def _run(self, version: int, items: list[WorkItem]) -> None:
         now = self._clock()
@@ -292,8 +490,7 @@ class Scheduler:
             return
         start = time.perf_counter()
         try:
-            acquire = self._store.acquire_lagging if self._lagging else self._store.acquire
-            with acquire(version) as weights:
+            with self._weights(version) as weights:
                 outs = self._engine.run(weights, [it.job for it in live])
         except BaseException as exc:
             err = map_exception(exc)

@@ -118,21 +118,7 @@ def build_runtime(settings: Settings) -> Runtime:
         check_eviction_policy(cache.r, want="allkeys-lru", role="result-cache")
     ewma = None
     if settings.ewma_beta is not None:
-        # A second skeleton (no parameter memory) and engine: the scheduler's are not shared.
-        proxy_model = load_model(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            numerics=settings.numerics,
-            tile_rows=settings.tile_rows,
-        )
-        proxy_engine = Engine(proxy_model, mode=settings.mode, lm_head_fp32=settings.lm_head_fp32)
-        ewma = EwmaProxy(
-            proxy_model,
-            proxy_engine,
-            beta=settings.ewma_beta,
-            state_dir=settings.snapshot_dir / "ewma",
-        )
+        ewma = EwmaProxy(model, beta=settings.ewma_beta, state_dir=settings.snapshot_dir / "ewma")
         ewma.catch_up(store)  # versions published before (or while it was off)
     return Runtime(settings, model, store, engine, cache, control, ewma=ewma)
 

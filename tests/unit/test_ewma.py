@@ -18,7 +18,6 @@ from oldlogit.types import LogprobsRequest, Sampling, Sequence
 from oldlogit.weights import weight_sha256
 from oldlogit_service.config import Settings
 from oldlogit_service.demo import demo_versions
-from oldlogit_service.engine import Engine
 from oldlogit_service.ewma import STATE_FILE, EwmaProxy
 from oldlogit_service.model import load_model, load_weights
 from oldlogit_service.numerics import SamplingParams
@@ -63,7 +62,7 @@ def loaded(tiny_loaded_factory: Callable[..., tuple[Any, Any]]) -> tuple[Any, An
 
 
 def _proxy(model: Any, state_dir: Path | None, beta: float = BETA) -> EwmaProxy:
-    return EwmaProxy(model, Engine(model), beta=beta, state_dir=state_dir)
+    return EwmaProxy(model, beta=beta, state_dir=state_dir)
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])

@@ -85,7 +85,7 @@ async def test_sampler_reads_a_real_registry_until_cancelled() -> None:
         patches_applied=0,
         lagging=LaggingStats(),
     )
-    state = ServiceState(store, CacheStats(hits=1, misses=3), 2, 0, True, {})
+    state = ServiceState(store, CacheStats(hits=1, misses=3), 2, 0, 0, True, {})
     m.attach_state(lambda: state)
     m.on_batch(version=0, items=1, tokens=64, seconds=0.01)
     read = read_registry(m.registry)

@@ -21,6 +21,19 @@ from oldlogit_service.scheduler import BatchPolicy, Scheduler
 class FakeStore:
     def __init__(self) -> None:
         self.acquired: list[int] = []
+        self.held: list[int] = []
+        self.released: list[int] = []
+
+    def hold(self, version: int) -> None:
+        if version == 404:
+            raise UnknownVersion("no version 404", parameter="policy_version")
+        self.held.append(version)
+
+    def unhold(self, version: int) -> None:
+        self.released.append(version)
+
+    def resident(self, version: int) -> bool:
+        return version in self.held and self.held.count(version) > self.released.count(version)
 
     @contextmanager
     def acquire(self, version: int) -> Iterator[Mapping[str, Any]]:
@@ -180,4 +193,86 @@ def test_version_switches_are_minimised() -> None:
         switches = sum(1 for a, b in itertools.pairwise(acq) if a != b)
         assert switches <= 2, store.acquired
     finally:
+        sched.close()
+
+
+class SlowColdStore(FakeStore):
+    """Version 9 takes a while to load (a cold version); every other one is resident."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cold_gate = threading.Event()
+
+    def resident(self, version: int) -> bool:
+        return version != 9 or super().resident(version)
+
+    def hold(self, version: int) -> None:
+        if version == 9:
+            assert self.cold_gate.wait(10)
+        super().hold(version)
+
+
+def test_a_hot_version_is_served_while_a_cold_one_loads() -> None:
+    """The load stage makes the cold version resident; the compute stage keeps serving."""
+    engine = FakeEngine()
+    store = SlowColdStore()
+    sched = Scheduler(
+        engine,  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
+        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0),
+        max_queue=100,
+    )
+    try:
+        cold = sched.submit(9, job(0))
+        time.sleep(0.05)  # the loader is now stuck loading 9
+        hot = [sched.submit(1, job(t)) for t in range(1, 6)]
+        for t, f in enumerate(hot, start=1):
+            assert f.result(5).tolist()[0] == 1000.0 + t
+        assert not cold.done()
+        assert sched.load_waiting() == 1
+        store.cold_gate.set()
+        assert cold.result(10).tolist()[0] == 9000.0
+        assert 9 in store.held
+    finally:
+        store.cold_gate.set()
+        sched.close()
+    assert sorted(store.released) == sorted(store.held)  # every hold let go at the end
+
+
+def test_a_failed_load_fails_that_version_only() -> None:
+    engine = FakeEngine()
+    sched, _ = make(engine, max_wait_s=0.0)
+    try:
+        missing = [sched.submit(404, job(t)) for t in range(3)]
+        fine = sched.submit(2, job(7))
+        for f in missing:
+            with pytest.raises(UnknownVersion):
+                f.result(10)
+        assert fine.result(10).tolist()[0] == 2007.0
+        assert sched.depth == 0
+    finally:
+        sched.close()
+
+
+def test_proxy_weights_run_through_the_same_queue() -> None:
+    """An EWMA-style source (numbered below 0) is batched, bounded and deadline-checked like
+    a version, with its own resident weights."""
+    engine = FakeEngine()
+    engine.gate.clear()
+    sched, store = make(engine, max_queue=2, max_wait_s=0.0, max_batch_tokens=4)
+    try:
+        blocker = sched.submit(1, job(0))
+        time.sleep(0.05)
+        proxied = sched.submit(1, job(3), weights=(-1, {"version": 77}))
+        sched.submit(1, job(4), weights=(-1, {"version": 77}))
+        with pytest.raises(Overloaded):
+            sched.submit(1, job(5), weights=(-1, {"version": 77}))  # the queue bound holds
+        with pytest.raises(ValueError):
+            sched.submit(1, job(6), weights=(3, {"version": 3}))
+        engine.gate.set()
+        assert proxied.result(10).tolist()[0] == 77003.0  # ran with the proxy's weights
+        blocker.result(10)
+        assert -1 not in store.held and -1 not in store.acquired  # never loaded from the store
+    finally:
+        engine.gate.set()
         sched.close()

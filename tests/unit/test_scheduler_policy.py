@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from oldlogit_service.scheduler import BatchPolicy, WorkItem, pick_batch
+from oldlogit_service.scheduler import BatchPolicy, WorkItem, pick_batch, pick_load
 
 
 def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
@@ -100,3 +100,26 @@ def test_every_item_is_served_exactly_once(seed: int) -> None:
         assert len(batch) == 1 or sum(b.ntokens for b in batch) <= POLICY.max_batch_tokens
         seen.extend(batch)
     assert sorted(map(id, seen)) == sorted(map(id, items))
+
+
+def test_load_policy_oldest_first_within_the_limit() -> None:
+    q = queues(item(3, 0.2), item(2, 0.1), item(1, 0.0), item(-1, 0.0))
+    pol = POLICY
+    assert pick_load(q, held=set(), running=None, now=0.3, policy=pol, limit=2) == (1, None)
+    assert pick_load(q, held={1}, running=None, now=0.3, policy=pol, limit=2) == (2, None)
+    # At the limit: wait until the next one has waited max_switch_delay_s ...
+    assert pick_load(q, held={1, 2}, running=1, now=0.3, policy=pol, limit=2) == (None, None)
+    # ... then let go of a held version other than the running one for it.
+    assert pick_load(q, held={1, 2}, running=1, now=1.5, policy=pol, limit=2) == (3, 2)
+    assert pick_load(q, held={1}, running=1, now=1.5, policy=pol, limit=1) == (None, None)
+    # Proxy sources (< 0) are resident already; nothing queued: nothing to load.
+    assert pick_load(
+        queues(item(-1, 0.0)), held=set(), running=None, now=9, policy=pol, limit=2
+    ) == (None, None)
+
+
+def test_ready_restricts_the_batch_policy() -> None:
+    q = queues(item(1, 0.0), item(2, 0.1))
+    assert pick_batch(q, current=None, now=0.5, policy=POLICY, ready={3}) is None
+    v, _ = pick_batch(q, current=None, now=0.5, policy=POLICY, ready={2})  # type: ignore[misc]
+    assert v == 2

@@ -196,6 +196,7 @@ def test_policies_pure() -> None:
         MemoryCandidate(2, 10, last_used=5.0, tick=2, rebuild_cost=0),  # a host copy: cheaper
         MemoryCandidate(3, 10, last_used=1.0, tick=3, rebuild_cost=1),
     ]
+
     def victims(**kw: int) -> list[int]:
         return [c.version for c in memory_victim_parts(cands, **kw)]
 

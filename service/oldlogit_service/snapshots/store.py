@@ -204,6 +204,19 @@ class SnapshotStore:
             # A load's followers re-raise a copy, so threads do not share one traceback.
             raise error_from_payload(exc.to_payload()) from exc
 
+    def hold(self, version: int) -> None:
+        """Make ``version`` device-resident and keep it so until ``unhold`` (the scheduler's
+        load stage, ahead of the batches that need it)."""
+        self._check_open()
+        self.pin(check_version(version))
+
+    def unhold(self, version: int) -> None:
+        self.residency.unpin(version)
+
+    def resident(self, version: int) -> bool:
+        """Device-resident right now: an acquire would not load."""
+        return "device" in self.residency.tiers(version)
+
     def acquire_lagging(
         self, version: int
     ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:

@@ -56,7 +56,15 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("--tile-rows", {"type": int, "help": "rows per GEMM tile of the invariant numerics (64)"}),
-    ("--device-budget-gib", {"type": float}),
+    (
+        "--device-budget-gib",
+        {
+            "type": float,
+            "help": "weights on the device (default: free GPU memory minus "
+            "--activation-headroom-gib; 4 on CPU)",
+        },
+    ),
+    ("--activation-headroom-gib", {"type": float, "help": "GPU memory left to the forward (2)"}),
     ("--host-budget-gib", {"type": float}),
     ("--disk-budget-gib", {"type": float}),
     ("--max-versions", {"type": int}),

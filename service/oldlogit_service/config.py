@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,7 +52,10 @@ class Settings(BaseSettings):
     numerics: Literal["invariant", "hf"] = "invariant"
     tile_rows: int = Field(DEFAULT_TILE_ROWS, ge=1, le=4096)  # rows per GEMM tile (invariant)
     # Retention.
-    device_budget_gib: float = Field(4.0, gt=0)
+    # None: on a GPU, free device memory at start-up minus activation_headroom_gib (the
+    # forward's activations need room too); on CPU, 4 GiB.
+    device_budget_gib: float | None = Field(None, gt=0)
+    activation_headroom_gib: float = Field(2.0, ge=0)
     host_budget_gib: float = Field(8.0, ge=0)
     disk_budget_gib: float = Field(100.0, gt=0)
     max_versions: int = Field(64, ge=1)
@@ -109,9 +112,16 @@ class Settings(BaseSettings):
             )
         return self
 
-    @property
-    def device_budget_bytes(self) -> int:
-        return int(self.device_budget_gib * GIB)
+    def device_budget_bytes(self, device: Any) -> int:
+        """The device tier's budget on ``device`` (a ``torch.device``; see the setting)."""
+        if self.device_budget_gib is not None:
+            return int(self.device_budget_gib * GIB)
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            free, _total = torch.cuda.mem_get_info(device)
+            return max(0, int(free - self.activation_headroom_gib * GIB))
+        return 4 * GIB
 
     @property
     def host_budget_bytes(self) -> int:

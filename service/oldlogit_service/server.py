@@ -85,7 +85,7 @@ def build_runtime(settings: Settings) -> Runtime:
         root,
         param_specs=model.param_specs,
         device=device,
-        device_budget_bytes=settings.device_budget_bytes,
+        device_budget_bytes=settings.device_budget_bytes(device),
         host_budget_bytes=settings.host_budget_bytes,
         disk_budget_bytes=settings.disk_budget_bytes,
         max_versions=settings.max_versions,

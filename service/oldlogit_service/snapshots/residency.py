@@ -10,6 +10,7 @@ to rebuild. Never touches the registry, the disk layout or a patch's contents.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -17,11 +18,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from oldlogit.errors import Overloaded
 from oldlogit.weights import TensorEntry
+from oldlogit_service.snapshots import buffers
 from oldlogit_service.snapshots.codec import Patch
 from oldlogit_service.snapshots.persist import tensor_views
 from oldlogit_service.snapshots.tiers import (
@@ -35,6 +38,11 @@ from oldlogit_service.snapshots.tiers import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["Residency", "Resident"]
+
+
+def _empty_device_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass(eq=False)
@@ -117,6 +125,11 @@ class Residency:
         self._ticks = itertools.count()
         self.counters: Counter[str] = Counter()
         self.load_seconds = 0.0
+        # In front of a GPU: host→device copies run on a side stream, so the compute stream
+        # keeps running forwards while a version is copied in.
+        self._copy_stream: Any = None
+        if device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     @property
     def cpu_tier(self) -> TierAccount:
@@ -206,7 +219,7 @@ class Residency:
                 if host is None:
                     host = self._materialize(version)
                 # With a host tier (a GPU), the device copy is a transfer from the host copy.
-                dev = host if self.direct else self.to_device(host)
+                dev = host if self.direct else self._to_device_or_evict(host, version)
             except BaseException:
                 with self._cond:
                     self.device_tier.reserve(0)
@@ -228,6 +241,8 @@ class Residency:
                     m.host = host
                     self.host_tier.add(host.nbytes)
                     self._evict_locked(self.host_tier)
+                elif keep_host and host.buffer is not None:
+                    buffers.recycle_buffer(host.buffer)  # a staging buffer: the next load's
                 self._evict_locked(self.device_tier)
                 self._cond.notify_all()
                 return dev
@@ -254,11 +269,47 @@ class Residency:
         tier.reserve(nbytes)
 
     def to_device(self, host: Resident) -> Resident:
-        if host.buffer is not None:
-            buf = host.buffer.to(self.device)  # [nbytes] one transfer for the whole version
-            return Resident(buf, host.layout, tensor_views(buf, host.layout), host.nbytes)
-        tensors = {k: t.to(self.device) for k, t in host.tensors.items()}
-        return Resident(None, host.layout, tensors, host.nbytes)
+        """A device copy of a CPU copy: one transfer for the whole version; in front of a GPU on
+        the side stream, waited for here (the caller is the load stage, not the compute)."""
+        with contextlib.ExitStack() as stack:
+            if self._copy_stream is not None:
+                stack.enter_context(torch.cuda.stream(self._copy_stream))
+            if host.buffer is not None:
+                buf = host.buffer.to(self.device, non_blocking=True)  # [nbytes]
+                out = Resident(buf, host.layout, tensor_views(buf, host.layout), host.nbytes)
+            else:
+                tensors = {k: t.to(self.device, non_blocking=True) for k, t in host.tensors.items()}
+                out = Resident(None, host.layout, tensors, host.nbytes)
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        return out
+
+    def _to_device_or_evict(self, host: Resident, version: int) -> Resident:
+        """``to_device``; when the device is out of memory (activations grew, another process),
+        evict every unpinned device copy and try once more, else ``Overloaded``."""
+        try:
+            return self.to_device(host)
+        except torch.OutOfMemoryError:
+            with self._cond:
+                dropped = self._evict_all_unpinned_locked()
+            _empty_device_cache()
+            logger.warning("device out of memory loading version %d: evicted %d", version, dropped)
+        try:
+            return self.to_device(host)
+        except torch.OutOfMemoryError as exc:
+            _empty_device_cache()
+            raise Overloaded(
+                f"the device has no memory left for policy_version {version} now (everything "
+                "resident is in use); retry shortly or lower --device-budget-gib",
+                parameter="policy_version",
+                retry_after_s=1.0,
+            ) from exc
+
+    def _evict_all_unpinned_locked(self) -> int:
+        victims = [c for c in self._candidates_locked(self.device_tier) if c.part != "patch"]
+        for c in victims:
+            self._drop_part_locked(self.device_tier, c)
+        return len(victims)
 
     # -- a resident copy held outside the LRU (the lagging model) ---------------------------
     def hold_device(self, nbytes: int, version: int) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, Unavailable, error_from_payload
 from oldlogit.weights import read_safetensors_header
-from oldlogit_service.snapshots import codec, ingest, persist
+from oldlogit_service.snapshots import buffers, codec, ingest, persist
 from oldlogit_service.snapshots.lagging import LaggingModel
 from oldlogit_service.snapshots.leases import LeaseRecord
 from oldlogit_service.snapshots.publish import Claim, Publisher, check_sha
@@ -153,6 +153,8 @@ class SnapshotStore:
             for sv in self.registry.records().values():
                 self.rebuilder.mark_verified(sv)
         self._lagging = LaggingModel(self)
+        if self.residency.pin_host:  # staging buffers: a load in flight and the next one
+            buffers.PINNED_POOL.set_limit(2 * self._snapshot_nbytes)
         if self.residency.device_tier.budget < self._snapshot_nbytes:
             logger.warning(
                 "device budget %d B is below one version (%d B): every request reloads",

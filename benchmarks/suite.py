@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, parity, serving, soak, throughput
+from benchmarks import delta_trace, parity, pipeline, serving, soak, throughput
 from benchmarks.common import Figure, print_table, write_results
 
 FIGURES = {
@@ -16,6 +16,7 @@ FIGURES = {
     "throughput": throughput,
     "delta": delta_trace,
     "parity": parity,
+    "pipeline": pipeline,
     "soak": soak,
 }
 DEFAULT = [
@@ -23,6 +24,7 @@ DEFAULT = [
     "throughput",
     "delta",
     "parity",
+    "pipeline",
 ]  # the soak runs for minutes: ask for it by name
 
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     delta_trace.add_args(p)
     throughput.add_args(p)
     parity.add_args(p)
+    pipeline.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup_s = 2.0
         delta_trace.smoke(args)
         parity.smoke(args)
+        pipeline.smoke(args)
         args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -36,6 +37,9 @@ if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's 
 logger = logging.getLogger(__name__)
 
 Result = npt.NDArray[np.float32]
+
+# The load stage's scheduling priority relative to the compute stage (Linux nice, per thread).
+LOAD_NICE = 10
 
 
 class WeightsSource(Protocol):
@@ -344,6 +348,10 @@ class Scheduler:
 
     # -- load stage ----------------------------------------------------------------------
     def _load_loop(self) -> None:
+        # Loads (file reads, patch scatters, hashing) yield the CPU to the forwards: on a busy
+        # machine the compute stage keeps its cores and a cold load takes the slack.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
         while True:
             with self._cond:
                 while True:

@@ -25,6 +25,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
             "throughput",
             "delta",
             "parity",
+            "pipeline",
             "soak",
             "--smoke",
             "--out",
@@ -42,7 +43,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     by_name = {f["name"]: f for f in data["figures"]}
     assert by_name["in-process engine"]["value"] > 0
     # Every figure of the suite ran (tiny sizes) and the plots were written.
-    for prefix in ("P2 ", "P3 ", "P6 ", "P7 ", "latency", "I1 ", "I2 ", "I3 ", "I4 "):
+    for prefix in ("P2 ", "P3 ", "P6 ", "P7 ", "latency", "I1 ", "I2 ", "I3 ", "I4 ", "L1 "):
         assert any(n.startswith(prefix) for n in names), prefix
     assert any("snapshot" in n or "stored" in n or "cold" in n for n in names), names
     assert (tmp_path / "ratios.png").stat().st_size > 1000

@@ -105,6 +105,7 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("--drain-timeout-s", {"type": float}),
+    ("--sweep-interval-s", {"type": float, "help": "lease expiry and retention period (1)"}),
     (
         "--ewma-beta",
         {

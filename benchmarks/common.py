@@ -115,3 +115,27 @@ def print_table(figures: list[Figure]) -> None:
         print(f"{f.name:<{w}}  {f.value:>10.3f}  {f.unit:<10}  {f.goal}")
         if "printed" in f.detail:  # counts a reader needs beside the ratio
             print(f"    {f.detail['printed']}")
+
+
+def concurrent(n: int, fn: Callable[[int], None]) -> float:
+    """Run ``fn(0..n-1)`` on n threads released together; wall seconds until all are done
+    (the first error is raised)."""
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            fn(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Figure, ServerProcess
+from benchmarks.common import Figure, ServerProcess, concurrent
 
 
 def _model_dir(root: Path, *, hidden: int, layers: int, vocab: int, dtype: str) -> Path:
@@ -79,29 +79,12 @@ def _linear_row_changes() -> Figure:
     )
 
 
-def _concurrent(clients: list[Any], seqs: list[list[int]], rounds: int) -> float:
-    import threading
-
-    barrier = threading.Barrier(len(clients))
-    errors: list[BaseException] = []
-
+def _requests_per_s(clients: list[Any], seqs: list[list[int]], rounds: int) -> float:
     def one(i: int) -> None:
-        try:
-            barrier.wait()
-            for _ in range(rounds):
-                clients[i].logprobs(seqs[i], policy_version=0, use_cache=False)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(rounds):
+            clients[i].logprobs(seqs[i], policy_version=0, use_cache=False)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(clients))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return len(clients) * rounds / (time.perf_counter() - t0)
+    return len(clients) * rounds / concurrent(len(clients), one)
 
 
 def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
@@ -144,11 +127,11 @@ def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
             n: [Client(s.grpc_url, timeout_s=600) for _ in range(conc)] for n, s in servers.items()
         }
         for name in servers:
-            _concurrent(clients[name], seqs, 1)  # warm-up
+            _requests_per_s(clients[name], seqs, 1)  # warm-up
         rps: dict[str, list[float]] = {n: [] for n in servers}
         ratios = []
         for _ in range(args.parity_reps):
-            got = {n: _concurrent(clients[n], seqs, args.p3_rounds) for n in servers}
+            got = {n: _requests_per_s(clients[n], seqs, args.p3_rounds) for n in servers}
             for n, v in got.items():
                 rps[n].append(v)
             ratios.append(got["packed"] / got["padded"])

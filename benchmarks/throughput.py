@@ -21,14 +21,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
-from benchmarks.common import Figure, ServerProcess, summary, timed
+from benchmarks.common import Figure, ServerProcess, concurrent, summary, timed
 from benchmarks.serving import build_model
 
 
@@ -54,28 +53,6 @@ def _forward_flops(model: Any, tokens_per_seq: int, seqs: int) -> float:
     t = tokens_per_seq
     per_seq = 2 * body * t + 2 * h * vocab * t + 2 * layers * t * t * h  # QK^T and AV, causal
     return float(per_seq * seqs)
-
-
-def _concurrent(n: int, fn: Callable[[int], None]) -> float:
-    barrier = threading.Barrier(n)
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            barrier.wait()
-            fn(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -185,7 +162,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
         rounds = args.p3_rounds
         naive_t = statistics.median(
             [
-                _concurrent(conc, lambda i: [naive_one(i) for _ in range(rounds)])
+                concurrent(conc, lambda i: [naive_one(i) for _ in range(rounds)])
                 for _ in range(args.reps)
             ]
         )
@@ -198,8 +175,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 for _ in range(rounds):
                     clients[i].logprobs(singles[i], policy_version=0, use_cache=False)
 
-            _concurrent(conc, ours)  # warm-up
-            t = statistics.median([_concurrent(conc, ours) for _ in range(args.reps)])
+            concurrent(conc, ours)  # warm-up
+            t = statistics.median([concurrent(conc, ours) for _ in range(args.reps)])
             tps = conc * rounds * L / t
             eng = Engine(model, mode=mode)
             sjobs = [
@@ -256,11 +233,11 @@ def run(args: argparse.Namespace) -> list[Figure]:
         per_client: dict[int, list[int]] = {}
         for i, v in reqs:
             per_client.setdefault(i, []).append(v)
-        naive_t6 = _concurrent(conc, lambda i: [naive_one(i, v) for v in per_client.get(i, [])])
+        naive_t6 = concurrent(conc, lambda i: [naive_one(i, v) for v in per_client.get(i, [])])
         srv = servers[args.p6_mode]
         before = httpx.get(f"{srv.http_url}/metrics").text
         clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
-        ours_t6 = _concurrent(
+        ours_t6 = concurrent(
             conc,
             lambda i: [
                 clients[i].logprobs(singles[i], policy_version=v, use_cache=False)
@@ -336,7 +313,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
         # Latency at 10/50/80 % of capacity (single sequences, deterministic server).
         srv = servers["deterministic"]
         clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
-        cap_t = _concurrent(
+        cap_t = concurrent(
             conc, lambda i: clients[i].logprobs(singles[i], policy_version=0, use_cache=False)
         )
         capacity = conc / cap_t
@@ -365,7 +342,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
                         lats.append(time.perf_counter() - t0)
                     k += conc
 
-            _concurrent(conc, one)
+            concurrent(conc, one)
             lats.sort()
             lat_detail[f"{int(frac * 100)}%"] = {
                 "rate_rps": rate,

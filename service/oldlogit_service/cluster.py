@@ -22,7 +22,7 @@ from typing import Any
 from oldlogit.errors import Conflict, OldLogitError, Unavailable, UnknownVersion, VersionEvicted
 from oldlogit.types import LeaseInfo, VersionInfo
 from oldlogit_service.config import is_wildcard
-from oldlogit_service.control import check_ttl, version_info
+from oldlogit_service.control import check_ttl, lease_info, version_info
 from oldlogit_service.redis_adapters import (
     EventListener,
     RedisLeases,
@@ -275,14 +275,7 @@ class ClusterControl:
         ttl = check_ttl(ttl_s)
         if self.registry.get(version) is None:
             self.ensure_local(version)  # raises UnknownVersion / VersionEvicted
-        rec: Any = self.leases.create(version, holder, ttl)
-        return LeaseInfo(
-            lease_id=str(rec.lease_id),
-            policy_version=int(rec.version),
-            holder=str(rec.holder),
-            ttl_s=float(rec.ttl_s),
-            expires_at=float(rec.expires_at),
-        )
+        return lease_info(self.leases.create(version, holder, ttl))
 
     def release_lease(self, lease_id: str) -> None:
         self.leases.release(lease_id)

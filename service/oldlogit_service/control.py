@@ -9,11 +9,14 @@ chooses one at start-up and never branches on which.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from oldlogit.errors import InvalidRequest
 from oldlogit.types import LeaseInfo, VersionInfo
 from oldlogit_service.snapshots import LeaseRecord, SnapshotStore, VersionRecord
+
+if TYPE_CHECKING:
+    from oldlogit_service.redis_adapters import RedisLease
 
 __all__ = ["Control", "LocalControl", "check_ttl", "lease_info", "version_info"]
 
@@ -31,7 +34,8 @@ def version_info(rec: VersionRecord) -> VersionInfo:
     )
 
 
-def lease_info(rec: LeaseRecord) -> LeaseInfo:
+def lease_info(rec: LeaseRecord | RedisLease) -> LeaseInfo:
+    """A lease record, local or shared (Redis), as the contract type."""
     return LeaseInfo(
         lease_id=rec.lease_id,
         policy_version=rec.version,

@@ -130,6 +130,14 @@ class Runtime:
         # The invariant profile packs in every mode; hf's fast mode pads (other bits).
         mode = "packed" if model.profile == "invariant" else settings.mode
         self.numerics = f"{self.numerics_spec.key}/{mode}"
+        # Under the invariant numerics a padded batch would give the very bits a packed one
+        # does, at the cost of the padding: fast mode is deterministic mode there.
+        self.mode = "deterministic" if model.profile == "invariant" else settings.mode
+        if settings.mode == "fast" and self.mode != "fast":
+            logger.warning(
+                "--mode fast is an alias of deterministic under the invariant numerics: packed "
+                "batches are exact and batched (--numerics hf --mode fast pads, inexactly)"
+            )
         self._ready = True
         self._draining = False
         self._stop = threading.Event()
@@ -530,7 +538,7 @@ class Runtime:
             dtype=s.dtype,
             head_dtype="float32" if s.lm_head_fp32 else s.dtype,
             device=str(m.device),
-            mode=s.mode,
+            mode=self.mode,
             fast_mode_max_abs_deviation=None,
             limits={
                 "max_seq_len": self.limits.max_seq_len,

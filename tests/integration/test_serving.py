@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from oldlogit import Client, Sequence
 from oldlogit_service.numerics import SamplingParams
 from oldlogit_service.reference import reference_logprobs_versions
 
-from .conftest import WRITE_TOKEN, Served
+from .conftest import WRITE_TOKEN, Served, start_served
 
 pytestmark = pytest.mark.integration
 
@@ -172,3 +173,23 @@ def test_versions_info_leases_watermark(served: Served, transport: str) -> None:
             assert lease.policy_version == 2
             assert c.version(2).leases >= 1
         assert c.version(2).leases == 0
+
+
+def test_fast_mode_is_deterministic_under_the_invariant_numerics(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A padded invariant batch would give the packed bits at the padding's cost: --mode fast
+    is an alias there, said in /v1/info and at start-up."""
+    with caplog.at_level("WARNING"):
+        s = start_served(tmp_path_factory.mktemp("fast"), model_dir, mode="fast")
+    try:
+        assert any("alias of deterministic" in r.message for r in caplog.records)
+        with Client(s.server.grpc_url) as c:
+            info = c.info()
+            assert info.mode == "deterministic" and info.numerics == "invariant"
+            ids = list(range(1, 40))
+            got = c.logprobs(ids, policy_version=1).logprobs
+        ref = reference_logprobs_versions(s.model, s.weights, ids, [-1] + [1] * (len(ids) - 1))
+        assert np.array_equal(got[1:], ref[1:])
+    finally:
+        s.server.stop()

@@ -314,3 +314,16 @@ def test_segment_plans():
     assert torch.equal(pos, packed)
     with pytest.raises(InvariantNumericsError, match="position_ids"):
         plan_segments(1, 5, torch.tensor([[1, 1, 0, 1, 1]]), None)
+
+
+def test_contraction_detection_of_the_tripwire() -> None:
+    from oldlogit.parity.numerics import _contracted
+
+    a, b = torch.zeros(2, 3), torch.zeros(3, 4)
+    assert _contracted(torch.matmul, (a, b)) == 3
+    assert _contracted(torch.matmul, (torch.zeros(2, 1), torch.zeros(1, 4))) == 1  # outer
+    assert _contracted(torch.addmm, (torch.zeros(4), a, b)) == 3
+    assert _contracted(torch.einsum, ("i,j->ij", a, b)) == 1  # RoPE-style outer product
+    assert _contracted(torch.einsum, ("ij,jk->ik", a, b)) > 1
+    assert _contracted(torch.einsum, ("ij,jk", a, b)) > 1  # implicit output still contracts j
+    assert _contracted(torch.einsum, ("ij,kl", a, b)) == 1

@@ -79,10 +79,11 @@ def _contracted(func: Callable[..., Any], args: tuple[Any, ...]) -> int:
     try:
         if func in (torch.einsum,):
             equation = str(args[0]).replace(" ", "")
-            inputs, _, output = equation.partition("->")
-            letters = set(re.sub(r"[^a-zA-Z]", "", inputs))
-            contracted = letters - set(output) if output else set()
-            return 2 if contracted else 1
+            inputs, arrow, output = equation.partition("->")
+            letters = re.sub(r"[^a-zA-Z]", "", inputs)
+            if not arrow:  # implicit output: the letters that appear once
+                output = "".join(c for c in letters if letters.count(c) == 1)
+            return 2 if set(letters) - set(output) else 1
         a = args[0]
         if func in (torch.addmm, torch.baddbmm, torch.Tensor.addmm, torch.Tensor.baddbmm):
             a = args[1]

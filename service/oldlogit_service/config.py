@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     # Secrets: never shown by repr() or logs; compared in constant time (runtime.authorize).
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
+    # Transport security (README "Security"): PEM files for both transports, re-read on SIGHUP
+    # and every tls_reload_interval_s (new handshakes get the new certificates).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # mutual TLS: client certificates signed by this CA
+    tls_reload_interval_s: float = Field(30.0, gt=0)
+    # A plain-HTTP port that answers /healthz and /readyz only (probes that cannot speak TLS
+    # or present a client certificate); None: none.
+    health_port: int | None = Field(None, ge=0, le=65535)
     # Batching and limits.
     max_wait_ms: float = Field(2.0, ge=0)
     max_batch_tokens: int = Field(65536, ge=1)
@@ -106,6 +115,14 @@ class Settings(BaseSettings):
                 "give this replica's DNS name or IP (compose: the service name; Kubernetes: "
                 "the pod IP), or leave it unset"
             )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "TLS needs both --tls-cert-file (the PEM chain) and --tls-key-file (its key)"
+            )
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file"
+            )
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError(
                 "float16 on CPU is slow and poorly supported: use --dtype bfloat16 or float32"
@@ -122,6 +139,10 @@ class Settings(BaseSettings):
             free, _total = torch.cuda.mem_get_info(device)
             return max(0, int(free - self.activation_headroom_gib * GIB))
         return 4 * GIB
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_file is not None
 
     @property
     def host_budget_bytes(self) -> int:

@@ -126,6 +126,8 @@ def test_overloaded_backs_off_at_least_retry_after() -> None:
         errors.UnknownVersion("no"),
         errors.DeadlineExceeded("late"),
         errors.InternalError("boom"),
+        # A failed TLS handshake: every replica shares the certificates, none is "down".
+        errors.TlsError("untrusted", parameter="ca_file", details={"reason": "untrusted"}),
     ],
 )
 def test_other_errors_are_not_retried(err: errors.OldLogitError) -> None:

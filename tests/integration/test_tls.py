@@ -8,6 +8,10 @@ the finding of the grpc.aio rotation spike, kept as a test.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import ssl
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ import numpy as np
 import pytest
 
 from oldlogit import Client, errors
+from oldlogit_service.server import ServerThread
 
 from ..tls_certs import CertAuthority, Pair
 from .conftest import WRITE_TOKEN, Served, start_served
@@ -180,3 +185,183 @@ def test_tls_options_need_a_tls_url(pki: Pki) -> None:
     with pytest.raises(errors.InvalidRequest) as info:
         Client("grpcs://127.0.0.1:1", ca_file="/nonexistent/ca.pem")
     assert info.value.parameter == "ca_file"
+
+
+# ---------------------------------------------------------------------------- rotation
+
+
+def _install(pair: Pair, cert: Path, key: Path) -> None:
+    """Replace the served files one at a time, each atomically (a reload in between sees a
+    chain and key that do not match, and must keep the old pair)."""
+    for src, dst in ((pair.cert, cert), (pair.key, key)):
+        tmp = dst.with_suffix(".tmp")
+        tmp.write_bytes(src.read_bytes())
+        tmp.replace(dst)
+
+
+def _served_leaf(url: str, bundle: Path) -> bytes:
+    """The DER leaf certificate a new handshake to ``url`` gets."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    ctx = ssl.create_default_context(cafile=str(bundle))
+    ctx.set_alpn_protocols(["h2" if url.startswith("grpcs") else "http/1.1"])
+
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=host) as tls_sock:
+            der = tls_sock.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def _der(pair: Pair) -> bytes:
+    pem = pair.cert.read_text()
+    first = pem[: pem.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")]
+    return ssl.PEM_cert_to_DER_cert(first)
+
+
+def test_grpc_dynamic_credentials_rotate_new_handshakes_only(tmp_path: Path, pki: Pki) -> None:
+    """The spike's finding, kept: grpc.aio's dynamic credentials (``ServerTls.grpc_credentials``)
+    ask the fetcher at every new handshake, on gRPC's own threads; after a reload new
+    connections get the new pair while a channel opened before keeps working; a pair caught
+    half-written is refused by ``reload`` and the old one stays served."""
+    import grpc
+    import grpc.aio
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1.health import aio as health_aio
+
+    from oldlogit_service.tls import ServerTls
+
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    _install(pki.server, cert, key)
+    rotated = pki.other_ca.issue("rotated-server")
+    tls = ServerTls(cert, key)
+    fetch_threads: set[str] = set()
+    fetch = tls._fetch
+
+    def spy() -> Any:
+        fetch_threads.add(threading.current_thread().name)
+        return fetch()
+
+    tls._fetch = spy  # type: ignore[method-assign]
+
+    async def check(port: int, ca: Path, channel: Any = None) -> bool:
+        ch = channel or grpc.aio.secure_channel(
+            f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca.read_bytes())
+        )
+        try:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+        finally:
+            if channel is None:
+                await ch.close()
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
+        port = server.add_secure_port("127.0.0.1:0", tls.grpc_credentials())
+        await server.start()
+        try:
+            old = grpc.aio.secure_channel(
+                f"127.0.0.1:{port}", grpc.ssl_channel_credentials(pki.ca.pem.read_bytes())
+            )
+            assert await check(port, pki.ca.pem, old)
+            assert not await check(port, pki.other_ca.pem)
+            # Half-written: the new chain beside the old key. Refused; the old pair stays.
+            cert.write_bytes(rotated.cert.read_bytes())
+            assert tls.reload() is False
+            assert await check(port, pki.ca.pem)
+            _install(rotated, cert, key)
+            assert tls.reload() is True and tls.reloads == 1
+            assert await check(port, pki.other_ca.pem)  # new handshakes: the new pair
+            assert not await check(port, pki.ca.pem)
+            assert await check(port, pki.ca.pem, old)  # the open channel: its session stays
+            await old.close()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert fetch_threads and threading.current_thread().name not in fetch_threads
+
+
+def test_rotation_under_load_fails_no_request(tmp_path: Path, model_dir: Path, pki: Pki) -> None:
+    """Certificates rotated three times (a new CA, then a new key from the first CA) under
+    load over both transports, with long-lived clients and a new connection per request:
+    zero failed requests, and new handshakes get the new certificate on both ports."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    _install(pki.server, cert, key)
+    bundle = tmp_path / "trust.pem"  # what clients trust during a CA rotation: old + new
+    bundle.write_bytes(pki.ca.pem.read_bytes() + pki.other_ca.pem.read_bytes())
+    client_ca = tmp_path / "client-ca.pem"
+    client_ca.write_bytes(pki.ca.pem.read_bytes())
+    (tmp_path / "srv").mkdir()
+    s = start_served(
+        tmp_path / "srv",
+        model_dir,
+        tls_cert_file=cert,
+        tls_key_file=key,
+        tls_client_ca_file=client_ca,
+        tls_reload_interval_s=0.2,
+    )
+    server: ServerThread = s.server
+    assert server.tls is not None
+    mine = {"ca_file": bundle, "cert_file": pki.client.cert, "key_file": pki.client.key}
+    urls = [server.http_url, server.grpc_url]
+    stop = threading.Event()
+    done: list[int] = []
+    failures: list[BaseException] = []
+
+    def load(url: str, fresh: bool) -> None:
+        n = 0
+        client = None if fresh else Client(url, retries=0, timeout_s=60, **mine)
+        try:
+            while not stop.is_set():
+                c = client or Client(url, retries=0, timeout_s=60, **mine)
+                try:
+                    r = c.logprobs(TOKENS, policy_version=n % 4, score_from=2, use_cache=False)
+                    assert r.versions == [n % 4]
+                    n += 1
+                except BaseException as exc:
+                    failures.append(exc)
+                finally:
+                    if client is None:
+                        c.close()
+        finally:
+            if client is not None:
+                client.close()
+            done.append(n)
+
+    threads = [
+        threading.Thread(target=load, args=(u, fresh), daemon=True)
+        for u in urls
+        for fresh in (False, True)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        rotations = [
+            pki.other_ca.issue("rot-1"),
+            pki.ca.issue("rot-2"),
+            pki.other_ca.issue("rot-3"),
+        ]
+        for i, pair in enumerate(rotations):
+            before = server.tls.digest
+            _install(pair, cert, key)
+            if i == 1:
+                assert server.reload_tls()  # what SIGHUP does, without waiting for the poll
+            end = time.monotonic() + 20
+            while server.tls.digest == before:  # the poll finds the change
+                assert time.monotonic() < end, "the TLS files were not reloaded"
+                time.sleep(0.05)
+            for url in urls:
+                assert _served_leaf(url, bundle) == _der(pair), url
+            time.sleep(0.5)  # load on the new certificate
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        server.stop()
+    assert not failures, failures[:3]
+    assert len(done) == 4 and min(done) > 0 and sum(done) > 40, done

@@ -158,7 +158,9 @@ def _from_text(text: str, url: str) -> TlsError | None:
     if "IS NOT IN PEER CERTIFICATE" in t or "HOSTNAME MISMATCH" in t:
         return _make_error(url, "hostname_mismatch", "the certificate does not name this host")
     if "CERTIFICATE_VERIFY_FAILED" in t:
-        return _make_error(url, "untrusted", text.rsplit("CERTIFICATE_VERIFY_FAILED", 1)[-1])
+        why = text[t.rindex("CERTIFICATE_VERIFY_FAILED") + len("CERTIFICATE_VERIFY_FAILED") :]
+        why = why.strip(" :").removesuffix(": OK").strip() or "certificate verify failed"
+        return _make_error(url, "untrusted", why)
     if "WRONG_VERSION_NUMBER" in t or "RECORD_LAYER_FAILURE" in t or "PACKET_LENGTH_TOO_LONG" in t:
         return _make_error(url, "not_tls", "the reply is not TLS")
     if "CERTIFICATE_REQUIRED" in t or "PEER_DID_NOT_RETURN_A_CERTIFICATE" in t:

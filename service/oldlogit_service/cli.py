@@ -360,6 +360,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    # gRPC's core logs every failed TLS handshake at INFO on stderr; the commands report
+    # errors in one line of their own (GRPC_VERBOSITY set by the user still wins).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the suite parses its own flags
         return _bench(argparse.Namespace(rest=argv[1:]))

@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from oldlogit.parity import DEFAULT_TILE_ROWS
@@ -102,6 +102,12 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     # Approximate answers (never exact): the EWMA proxy policy's decay; None disables it.
     ewma_beta: float | None = Field(None, gt=0, lt=1)
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # OLDLOGIT_TLS_CLIENT_CA_FILE="" (a compose default) means "not set", not the cwd.
+        return None if value == "" else value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -629,16 +629,48 @@ def test_overlay_semantics(overlay: str) -> None:
     env = config["data"]
     # Every key is a setting (extra=forbid), and together they are a valid Settings.
     settings = Settings(**{k.removeprefix("OLDLOGIT_").lower(): v for k, v in env.items()})
-    # Bound to every interface, so the replica advertises its pod IP (the downward API).
+    # Bound to every interface, so the replica advertises its pod IP (the downward API), or
+    # with TLS its DNS name under the headless Service (a certificate can name that).
     assert is_wildcard(settings.host)
+    names = [e["name"] for e in c["env"]]
     (advertise,) = [e for e in c["env"] if e["name"] == "OLDLOGIT_ADVERTISE_HOST"]
-    assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    if settings.tls_enabled:
+        assert advertise["value"] == "$(POD_NAME).oldlogit-headless.$(POD_NAMESPACE).svc"
+        assert "valueFrom" not in advertise and pod["subdomain"] == "oldlogit-headless"
+        for var, field in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace")):
+            # $(VAR) expands only variables defined earlier in the list.
+            assert names.index(var) < names.index("OLDLOGIT_ADVERTISE_HOST")
+            (e,) = [e for e in c["env"] if e["name"] == var]
+            assert e["valueFrom"] == {"fieldRef": {"fieldPath": field}}
+    else:
+        assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": settings.http_port, "grpc": settings.grpc_port}
-    # Probes: slow first loads, readiness = can serve, liveness independent of Redis.
+    assert ports == {
+        "http": settings.http_port,
+        "grpc": settings.grpc_port,
+        "health": settings.health_port,
+    }
+    # Probes: slow first loads, readiness = can serve, liveness independent of Redis; all on
+    # the plain probe port, so TLS and mutual TLS change nothing for the kubelet.
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == "health", probe
+        assert c[probe]["httpGet"].get("scheme", "HTTP") == "HTTP", probe
+    # TLS: the Secret mounted read-only where the settings look for the files.
+    if settings.tls_enabled:
+        assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+        (tls_mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+        assert tls_mount["readOnly"] is True
+        files = [settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file]
+        for f in files:
+            assert f is None or str(f.parent) == tls_mount["mountPath"], f
+        secret = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]
+        assert secret["secretName"] == "oldlogit-tls"
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scheme"] == "https"
+        assert (settings.tls_client_ca_file is not None) == overlay.endswith("mtls")
     pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pre_stop + settings.drain_timeout_s + 5
     # Storage: the RWX claim is what the pods mount, and the settings' paths are on it.
@@ -678,7 +710,7 @@ def test_overlay_semantics(overlay: str) -> None:
         args = rc["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--maxmemory-policy") + 1] == policy
     gpus = c["resources"]["limits"].get("nvidia.com/gpu")
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         assert settings.device == "cuda" and gpus == 1
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
             "tolerations"

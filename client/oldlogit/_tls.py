@@ -155,7 +155,7 @@ def _from_text(text: str, url: str) -> TlsError | None:
     t = text.upper()
     if "CERTIFICATE HAS EXPIRED" in t or "CERTIFICATE IS NOT YET VALID" in t:
         return _make_error(url, "expired", "the service's certificate is outside its validity")
-    if "IS NOT IN PEER CERTIFICATE" in t or "HOSTNAME MISMATCH" in t:
+    if "HOSTNAME VERIFICATION CHECK FAILED" in t or "HOSTNAME MISMATCH" in t:
         return _make_error(url, "hostname_mismatch", "the certificate does not name this host")
     if "CERTIFICATE_VERIFY_FAILED" in t:
         why = text[t.rindex("CERTIFICATE_VERIFY_FAILED") + len("CERTIFICATE_VERIFY_FAILED") :]
@@ -174,9 +174,10 @@ def _from_text(text: str, url: str) -> TlsError | None:
 
 def tls_error_from_grpc(details: str | None, url: str) -> TlsError | None:
     """``TlsError`` for a gRPC status message that reports a failed handshake."""
-    if not details or "handshake" not in details.lower():
+    lowered = (details or "").lower()
+    if "handshake" not in lowered and "verification check failed" not in lowered:
         return None
-    return _from_text(details, url) or _make_error(url, "handshake_failed", details)
+    return _from_text(str(details), url) or _make_error(url, "handshake_failed", str(details))
 
 
 # What each transport sends first, so a healthy server answers with at least one byte.

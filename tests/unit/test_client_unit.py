@@ -283,7 +283,7 @@ class FakeTransport:
 def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeTransport]:
     made: dict[str, FakeTransport] = {}
 
-    def open_fake(url: str, *, token: str | None, http_encoding: str) -> FakeTransport:
+    def open_fake(url: str, *, token: str | None, http_encoding: str, tls: Any) -> FakeTransport:
         return made.setdefault(url, FakeTransport(url))
 
     monkeypatch.setattr(client_mod, "open_transport", open_fake)

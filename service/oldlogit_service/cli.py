@@ -240,10 +240,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     def ready(bound: Bound, _rt: Any) -> None:
         # One line each, machine-readable: scripts and tests read the chosen ports from here.
-        print(f"http={bound.http}", flush=True)
-        print(f"grpc={bound.grpc}", flush=True)
+        # The probe port first: whoever waits for http= and grpc= has it already.
         if bound.health is not None:
             print(f"health={bound.health}", flush=True)
+        print(f"http={bound.http}", flush=True)
+        print(f"grpc={bound.grpc}", flush=True)
         if settings.write_token is None:
             logging.getLogger("oldlogit").warning(
                 "no --write-token: publish/delete/watermark/leases refused"

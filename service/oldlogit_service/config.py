@@ -125,6 +125,10 @@ class Settings(BaseSettings):
             raise ValueError(
                 "TLS needs both --tls-cert-file (the PEM chain) and --tls-key-file (its key)"
             )
+        if self.health_port and self.health_port in (self.http_port, self.grpc_port):
+            raise ValueError(
+                f"--health-port {self.health_port} is also the HTTP or gRPC port: pick another"
+            )
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError(
                 "--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file"

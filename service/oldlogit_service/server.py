@@ -197,7 +197,10 @@ async def _reload_tls(tls: ServerTls, interval_s: float, wake: asyncio.Event) ->
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(wake.wait(), interval_s)
         wake.clear()
-        await asyncio.to_thread(tls.reload)
+        # On the loop's own thread: uvicorn's handshakes use the live SSLContext from this
+        # thread, and OpenSSL does not promise a context may change under a concurrent
+        # handshake. The files are small: a reload takes about a millisecond.
+        tls.reload()
 
 
 async def serve(
@@ -360,9 +363,14 @@ class ServerThread:
         return self._tls
 
     def reload_tls(self) -> bool:
-        """Re-read the TLS files now, as SIGHUP does; True if they changed."""
-        assert self._tls is not None
-        return self._tls.reload()
+        """Re-read the TLS files now, as SIGHUP does (on the server's loop); True if changed."""
+        tls, loop = self._tls, self._loop
+        assert tls is not None and loop is not None
+
+        async def reload() -> bool:
+            return tls.reload()
+
+        return asyncio.run_coroutine_threadsafe(reload(), loop).result(timeout=30)
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():

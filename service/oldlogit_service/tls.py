@@ -52,14 +52,15 @@ def _read(path: Path, flag: str) -> bytes:
 
 
 class ServerTls:
-    """The certificates both transports serve; thread-safe (gRPC fetches from its threads)."""
+    """The certificates both transports serve. ``reload`` runs on the event loop's thread (the
+    one uvicorn handshakes on); gRPC fetches from its own threads, under the lock."""
 
     def __init__(self, cert_file: Path, key_file: Path, client_ca_file: Path | None = None) -> None:
         self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
         self._lock = threading.Lock()
         material = self._load_checked()
         self._material = material
-        self._served_to_grpc = material.digest
+        self._served_to_grpc = ""  # the digest gRPC has (set by grpc_credentials)
         # HTTP: this very context is handed to uvicorn (the asyncio server keeps it); reload()
         # loads the new chain into it, which every later handshake uses.
         self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -152,6 +153,7 @@ class ServerTls:
     def grpc_credentials(self) -> grpc.ServerCredentials:
         with self._lock:
             initial = self._grpc_config(self._material)
+            self._served_to_grpc = self._material.digest
         return grpc.dynamic_ssl_server_credentials(
             initial, self._fetch, require_client_authentication=self.mutual
         )

@@ -86,8 +86,9 @@ USER ${UID}
 WORKDIR /home/oldlogit
 EXPOSE 8000 50051
 VOLUME ["/snapshots"]
-# Healthy = can serve (/readyz). The port comes from the same variable the server reads.
+# Healthy = can serve (/readyz), on the plain probe port if OLDLOGIT_HEALTH_PORT is set (what
+# TLS needs), else on the HTTP port: the same variables the server reads.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('OLDLOGIT_HTTP_PORT', '8000'), timeout=4)"]
+  CMD ["python", "-c", "import os, urllib.request; e = os.environ; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % e.get('OLDLOGIT_HEALTH_PORT', e.get('OLDLOGIT_HTTP_PORT', '8000')), timeout=4)"]
 ENTRYPOINT ["oldlogit"]
 CMD ["serve", "--demo"]

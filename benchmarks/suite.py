@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, parity, pipeline, serving, soak, throughput
+from benchmarks import delta_trace, parity, pipeline, serving, soak, throughput, tls
 from benchmarks.common import Figure, print_table, write_results
 
 FIGURES = {
@@ -18,6 +18,7 @@ FIGURES = {
     "parity": parity,
     "pipeline": pipeline,
     "soak": soak,
+    "tls": tls,
 }
 DEFAULT = [
     "serving",
@@ -25,6 +26,7 @@ DEFAULT = [
     "delta",
     "parity",
     "pipeline",
+    "tls",
 ]  # the soak runs for minutes: ask for it by name
 
 
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     throughput.add_args(p)
     parity.add_args(p)
     pipeline.add_args(p)
+    tls.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         delta_trace.smoke(args)
         parity.smoke(args)
         pipeline.smoke(args)
+        tls.smoke(args)
         args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -2,8 +2,9 @@
 
 In: an operation ``op(replica, remaining_s)`` and the replicas; out: its result or the last error.
 Only ``Overloaded``/``Unavailable`` (which the transports also raise for connection failures)
-are retried; every other error goes straight to the caller. No I/O or transport knowledge here,
-so the policy is tested with fakes.
+are retried; every other error goes straight to the caller — ``TlsError`` among them: a failed
+TLS handshake is the certificates' fault, shared by every replica, not a replica that is down.
+No I/O or transport knowledge here, so the policy is tested with fakes.
 """
 
 from __future__ import annotations

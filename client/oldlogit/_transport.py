@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from oldlogit._tls import ClientTls
 from oldlogit.convert import PublishHeader
 from oldlogit.errors import InvalidRequest
 from oldlogit.types import (
@@ -27,6 +28,7 @@ __all__ = ["Transport", "open_transport"]
 
 HTTP_SCHEMES = ("http", "https")
 GRPC_SCHEMES = ("grpc", "grpcs")
+TLS_SCHEMES = ("https", "grpcs")
 
 
 class Transport(Protocol):
@@ -82,13 +84,16 @@ def check_url(url: str) -> str:
     return scheme
 
 
-def open_transport(url: str, *, token: str | None, http_encoding: str) -> Transport:
-    """A transport for ``url``; the transport modules are imported on first use (gRPC is heavy)."""
+def open_transport(
+    url: str, *, token: str | None, http_encoding: str, tls: ClientTls | None = None
+) -> Transport:
+    """A transport for ``url``; the transport modules are imported on first use (gRPC is heavy).
+    ``tls`` (a private CA, a client certificate) applies to https:// and grpcs:// URLs."""
     scheme = check_url(url)
     if scheme in GRPC_SCHEMES:
         from oldlogit._transport_grpc import GrpcTransport
 
-        return GrpcTransport(url, token=token)
+        return GrpcTransport(url, token=token, tls=tls)
     from oldlogit._transport_http import HttpTransport
 
-    return HttpTransport(url, token=token, encoding=http_encoding)
+    return HttpTransport(url, token=token, encoding=http_encoding, tls=tls)

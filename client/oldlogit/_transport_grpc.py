@@ -2,7 +2,8 @@
 
 In: contract types; out: contract types, or the typed error rebuilt from the status and the
 ``oldlogit-error-bin`` trailing metadata (``convert.error_from_grpc``), translated here at one
-boundary. Channel options (message sizes, keepalive) are shared with the server as constants.
+boundary; a failed TLS handshake becomes ``TlsError`` (``oldlogit._tls``), not ``Unavailable``.
+Channel options (message sizes, keepalive) are shared with the server as constants.
 No retries here: gRPC's configurable retries stay off so ``oldlogit._retry`` is the only one.
 """
 
@@ -19,6 +20,7 @@ import grpc.aio
 from oldlogit import convert
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
+from oldlogit._tls import GRPC_OPENER, ClientTls, diagnose, tls_error_from_grpc
 from oldlogit.convert import PublishHeader
 from oldlogit.types import (
     Info,
@@ -66,13 +68,17 @@ PUBLISH_CHUNK_BYTES = 1024 * 1024  # per message: well under any server's receiv
 class GrpcTransport:
     """The ``oldlogit.v1.OldLogit`` service on one replica."""
 
-    def __init__(self, url: str, *, token: str | None) -> None:
+    def __init__(self, url: str, *, token: str | None, tls: ClientTls | None = None) -> None:
         parts = urlsplit(url)
         self.url = url
         port = parts.port or (443 if parts.scheme == "grpcs" else 50051)
         target = f"{parts.hostname}:{port}"
-        if parts.scheme == "grpcs":
-            creds = grpc.ssl_channel_credentials()
+        self._secure = parts.scheme == "grpcs"
+        self._tls = tls
+        self._host, self._port = str(parts.hostname), port
+        if self._secure:
+            # The system's CAs, or the client's own CA / certificate.
+            creds = tls.grpc_credentials() if tls is not None else grpc.ssl_channel_credentials()
             self._channel = grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -87,9 +93,23 @@ class GrpcTransport:
         try:
             return await rpc(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
+            if self._secure and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                tls_err = await self._tls_failure(exc.details())
+                if tls_err is not None:
+                    raise tls_err from exc
             raise convert.error_from_grpc(
                 exc.code(), exc.details(), exc.trailing_metadata()
             ) from exc
+
+    async def _tls_failure(self, details: str | None) -> Exception | None:
+        """Why a secure channel could not connect, when it is the handshake (not retried)."""
+        found = tls_error_from_grpc(details, self.url)
+        if found is None and details and "failed to connect" in details:
+            # A refused client certificate reads "Socket closed" here: ask Python's ssl.
+            found = await diagnose(
+                self._host, self._port, self._tls, self.url, alpn="h2", opener=GRPC_OPENER
+            )
+        return found
 
     async def logprobs(self, req: LogprobsRequest, timeout_s: float | None) -> LogprobsResponse:
         msg = await self._call(self._stub.Logprobs, convert.request_to_proto(req), timeout_s)

@@ -3,23 +3,25 @@
 In: contract types; out: contract types, or an ``oldlogit.errors`` error rebuilt from the
 response (``wire.decode_error``). httpx failures are translated here, at one boundary:
 connection failures become ``Unavailable`` (retryable), read/write timeouts
-``DeadlineExceeded``. No retries here.
+``DeadlineExceeded``, failed TLS handshakes ``TlsError`` (not retried). No retries here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 from pydantic import BaseModel
 
 from oldlogit import wire
+from oldlogit._tls import HTTP_OPENER, ClientTls, diagnose, tls_error_from_ssl
 from oldlogit.convert import PublishHeader
-from oldlogit.errors import DeadlineExceeded, InternalError, Unavailable
+from oldlogit.errors import DeadlineExceeded, InternalError, OldLogitError, Unavailable
 from oldlogit.types import (
     Info,
     LeaseInfo,
@@ -37,6 +39,9 @@ M = TypeVar("M", bound=BaseModel)
 
 CONNECT_TIMEOUT_S = 10.0
 
+# Connection closed before any answer: over https, possibly a refused client certificate.
+_CLOSED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 
 class HttpTransport:
     """``POST /v1/logprobs`` and friends on one replica (see ``oldlogit.wire`` for the bodies)."""
@@ -48,14 +53,22 @@ class HttpTransport:
         token: str | None,
         encoding: str = wire.MSGPACK_TYPE,
         transport: httpx.AsyncBaseTransport | None = None,  # tests inject httpx.MockTransport
+        tls: ClientTls | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self._encoding = wire.media_type(encoding)
         headers = {"user-agent": "oldlogit-client"}
         if token:
             headers["authorization"] = f"Bearer {token}"
+        parts = urlsplit(self.url)
+        self._secure = parts.scheme == "https"
+        self._host = str(parts.hostname)
+        self._port = parts.port or (443 if self._secure else 80)
+        self._tls = tls
+        # https:// with the system's CAs, or the client's own CA / certificate.
+        verify: ssl.SSLContext | bool = tls.ssl_context() if tls is not None else True
         self._http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=None, transport=transport
+            base_url=self.url, headers=headers, timeout=None, transport=transport, verify=verify
         )
 
     async def _send(
@@ -69,22 +82,38 @@ class HttpTransport:
         timeout = httpx.Timeout(timeout_s, connect=connect)
         try:
             resp = await self._http.request(method, path, timeout=timeout, **kwargs)
-        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise Unavailable(
-                f"cannot connect to {self.url}: {type(exc).__name__}", retry_after_s=0.0
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise DeadlineExceeded(
-                f"{method} {path} on {self.url} took longer than {timeout_s}s",
-                parameter="timeout_s",
-            ) from exc
-        except httpx.TransportError as exc:  # refused, reset, DNS, protocol errors
-            raise Unavailable(
-                f"cannot reach {self.url}: {type(exc).__name__}: {exc}", retry_after_s=0.0
-            ) from exc
+        except httpx.TransportError as exc:
+            # A failed handshake is the same on every replica (they share certificates): a
+            # TlsError, which is neither retried nor failed over.
+            tls_err = tls_error_from_ssl(exc, self.url)
+            if tls_err is None and self._secure and isinstance(exc, _CLOSED):
+                # Closed without an answer: a refused client certificate looks like this.
+                tls_err = await diagnose(
+                    self._host, self._port, self._tls, self.url, alpn="http/1.1", opener=HTTP_OPENER
+                )
+            if tls_err is not None:
+                raise tls_err from exc
+            raise self._translate(exc, method, path, timeout_s) from exc
         if resp.status_code >= 400:
             raise wire.decode_error(resp.status_code, resp.content, resp.headers)
         return resp
+
+    def _translate(
+        self, exc: httpx.TransportError, method: str, path: str, timeout_s: float | None
+    ) -> OldLogitError:
+        if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+            return Unavailable(
+                f"cannot connect to {self.url}: {type(exc).__name__}", retry_after_s=0.0
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return DeadlineExceeded(
+                f"{method} {path} on {self.url} took longer than {timeout_s}s",
+                parameter="timeout_s",
+            )
+        # refused, reset, DNS, protocol errors
+        return Unavailable(
+            f"cannot reach {self.url}: {type(exc).__name__}: {exc}", retry_after_s=0.0
+        )
 
     async def _model(
         self, cls: type[M], method: str, path: str, timeout_s: float | None, **kwargs: Any

@@ -25,7 +25,8 @@ from pydantic import ValidationError
 from oldlogit import wire
 from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
-from oldlogit._transport import Transport, check_url, open_transport
+from oldlogit._tls import ClientTls
+from oldlogit._transport import TLS_SCHEMES, Transport, check_url, open_transport
 from oldlogit.convert import PublishHeader
 from oldlogit.errors import InvalidRequest, ParentMissing, UnknownLease, WeightsMismatch
 from oldlogit.types import (
@@ -74,6 +75,9 @@ class AsyncClient:
     (``retries`` extra rounds over the replicas, exponential backoff with jitter, at least the
     server's ``retry_after_s``). ``publish_timeout_s`` bounds ``publish`` (default: none).
     ``http_encoding`` picks the logprobs body on HTTP (msgpack: compact binary arrays).
+    ``https://`` and ``grpcs://`` URLs use TLS, verified against the system's CAs or
+    ``ca_file`` (PEM); ``cert_file`` + ``key_file`` present a client certificate (mutual TLS).
+    A failed handshake raises ``TlsError`` naming the reason, never retried.
     Connections open on first use and belong to that event loop; close with ``aclose()`` or
     ``async with``.
     """
@@ -88,12 +92,22 @@ class AsyncClient:
         backoff_s: float = 0.1,
         http_encoding: Literal["msgpack", "json"] = "msgpack",
         publish_timeout_s: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
     ) -> None:
         urls = [url_or_urls] if isinstance(url_or_urls, str) else list(url_or_urls)
         if not urls:
             raise InvalidRequest("at least one URL is needed", parameter="url")
+        self._tls = ClientTls.load(
+            *(None if f is None else os.fspath(f) for f in (ca_file, cert_file, key_file))
+        )
         for url in urls:
-            check_url(url)
+            if check_url(url) not in TLS_SCHEMES and self._tls is not None:
+                raise InvalidRequest(
+                    f"ca_file/cert_file/key_file need https:// or grpcs:// URLs, not {url!r}",
+                    parameter="url",
+                )
         if retries < 0:
             raise InvalidRequest("retries must be >= 0", parameter="retries")
         self._replicas: ReplicaSet[str] = ReplicaSet(urls)
@@ -114,7 +128,9 @@ class AsyncClient:
     def _transport(self, url: str) -> Transport:
         transport = self._transports.get(url)
         if transport is None:
-            transport = open_transport(url, token=self._token, http_encoding=self._encoding)
+            transport = open_transport(
+                url, token=self._token, http_encoding=self._encoding, tls=self._tls
+            )
             self._transports[url] = transport
         return transport
 
@@ -248,7 +264,7 @@ class AsyncClient:
         configured URLs), so routing and failover follow scale-ups and removals. Returns the
         URLs now in use; without a registry (one replica) nothing changes."""
         scheme = self.urls[0].split("://", 1)[0]
-        field = "grpc" if scheme == "grpc" else "http"
+        field = "grpc" if scheme in ("grpc", "grpcs") else "http"
         found = [f"{scheme}://{m[field]}" for m in await self.replicas() if m.get(field)]
         self._replicas.update(found)
         return self.urls
@@ -471,6 +487,9 @@ class Client:
         backoff_s: float = 0.1,
         http_encoding: Literal["msgpack", "json"] = "msgpack",
         publish_timeout_s: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self._aio = AsyncClient(
             url_or_urls,
@@ -480,6 +499,9 @@ class Client:
             backoff_s=backoff_s,
             http_encoding=http_encoding,
             publish_timeout_s=publish_timeout_s,
+            ca_file=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
         )
         self._loop = LoopThread()
         # A client dropped without close() must not leave its thread running.

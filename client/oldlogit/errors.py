@@ -26,6 +26,7 @@ parameter; ``parameter`` carries it separately for programs.
     ├── Overloaded                503  RESOURCE_EXHAUSTED overloaded        (retry_after_s)
     ├── Unavailable               503  UNAVAILABLE        unavailable       (retry_after_s)
     ├── DeadlineExceeded          504  DEADLINE_EXCEEDED  deadline_exceeded
+    ├── TlsError                  495  UNAVAILABLE        tls_error         (details.reason)
     ├── OutOfMemory               507  RESOURCE_EXHAUSTED out_of_memory
     └── InternalError             500  INTERNAL           internal
 """
@@ -49,6 +50,7 @@ __all__ = [
     "Overloaded",
     "ParentMissing",
     "SequenceTooLong",
+    "TlsError",
     "TokenOutOfVocab",
     "Unauthorized",
     "Unavailable",
@@ -222,6 +224,28 @@ class DeadlineExceeded(OldLogitError):
     code = "deadline_exceeded"
     http_status = 504
     grpc_status = "DEADLINE_EXCEEDED"
+
+
+class TlsError(OldLogitError):
+    """The TLS handshake with a replica failed: raised by the client, never sent by the service.
+
+    ``details["reason"]`` names the problem: ``untrusted`` (not signed by a CA the client
+    trusts: pass ``ca_file``), ``expired``, ``hostname_mismatch``, ``not_tls`` (the address
+    speaks plaintext: use http:// or grpc://), ``client_certificate_required`` (the service
+    wants mutual TLS: pass ``cert_file`` and ``key_file``), ``client_certificate_rejected``
+    (not signed by the CA the service trusts), or ``handshake_failed``. ``parameter`` names the
+    client option to change. Not retried and not failed over: every replica of a deployment
+    shares its certificates, so another attempt fails the same way (495: nginx's "SSL
+    Certificate Error"; gRPC reports a failed handshake as UNAVAILABLE).
+    """
+
+    code = "tls_error"
+    http_status = 495
+    grpc_status = "UNAVAILABLE"
+
+    @property
+    def reason(self) -> str:
+        return str(self.details.get("reason", "handshake_failed"))
 
 
 class OutOfMemory(OldLogitError):

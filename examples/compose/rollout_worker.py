@@ -28,13 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-s", type=float, default=2.0, help="seconds between rounds")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sampled sequence")
     ap.add_argument("--heartbeat", type=Path, help="file touched after each answered round")
+    # TLS (docker-compose.tls.yml): https:// / grpcs:// URLs, a private CA, a client certificate.
+    ap.add_argument("--ca-file", help="trust this CA (PEM) for https:// and grpcs:// URLs")
+    ap.add_argument("--cert-file", help="client certificate (PEM), for mutual TLS")
+    ap.add_argument("--key-file", help="the client certificate's key (PEM)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     token = os.environ.get("OLDLOGIT_WRITE_TOKEN")  # leases are writes
     rng = np.random.default_rng(0)
-    with Client(args.url.split(","), token=token, timeout_s=60.0) as c:
+    tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
+    with Client(args.url.split(","), token=token, timeout_s=60.0, **tls) as c:
         vocab = c.info().vocab_size
         done = 0
         while args.rounds == 0 or done < args.rounds:

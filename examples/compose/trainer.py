@@ -39,12 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-s", type=float, default=10.0, help="seconds between versions")
     ap.add_argument("--keep", type=int, default=8, help="versions kept above the watermark")
     ap.add_argument("--heartbeat", type=Path, help="file touched after each published version")
+    # TLS (docker-compose.tls.yml): https:// / grpcs:// URLs, a private CA, a client certificate.
+    ap.add_argument("--ca-file", help="trust this CA (PEM) for https:// and grpcs:// URLs")
+    ap.add_argument("--cert-file", help="client certificate (PEM), for mutual TLS")
+    ap.add_argument("--key-file", help="the client certificate's key (PEM)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     token = os.environ.get("OLDLOGIT_WRITE_TOKEN")  # publishing and the watermark are writes
-    with Client(args.url.split(","), token=token, timeout_s=120.0) as c:
+    tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
+    with Client(args.url.split(","), token=token, timeout_s=120.0, **tls) as c:
         info = c.info()
         dtype = getattr(torch, info.dtype)  # publish in the serving dtype, as the service keeps it
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)

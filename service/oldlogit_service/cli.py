@@ -89,6 +89,36 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--replica-id", {"help": "this replica's id in the deployment (default host-pid)"}),
     ("--write-token", {"help": "bearer token required for writes (publish, delete, leases)"}),
     ("--read-token", {"help": "bearer token required for reads"}),
+    (
+        "--tls-cert-file",
+        {
+            "type": Path,
+            "metavar": "PEM",
+            "help": "serve HTTPS and gRPC over TLS with this certificate chain (re-read on "
+            "SIGHUP and when it changes)",
+        },
+    ),
+    ("--tls-key-file", {"type": Path, "metavar": "PEM", "help": "the chain's private key"}),
+    (
+        "--tls-client-ca-file",
+        {
+            "type": Path,
+            "metavar": "PEM",
+            "help": "mutual TLS: require a client certificate signed by this CA",
+        },
+    ),
+    (
+        "--tls-reload-interval-s",
+        {"type": float, "help": "how often the TLS files are checked for changes (30)"},
+    ),
+    (
+        "--health-port",
+        {
+            "type": int,
+            "help": "also serve /healthz and /readyz, and nothing else, as plain HTTP on this "
+            "port (probes that cannot speak TLS; default: none)",
+        },
+    ),
     ("--max-wait-ms", {"type": float, "help": "batching wait for the first job in a batch"}),
     ("--max-batch-tokens", {"type": int}),
     ("--max-queue", {"type": int}),
@@ -138,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         "none: it sends everything, and the service stores a patch anyway)",
     )
     pub.add_argument("--token", default=None, help="write token (or OLDLOGIT_WRITE_TOKEN)")
+    _tls_flags(pub)
     pub.add_argument("--no-progress", action="store_true")
     bench = sub.add_parser("bench", help="run the benchmark suite")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite")
@@ -165,7 +196,19 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--top-p", type=float, default=1.0)
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--token", default=None, help="read token (or OLDLOGIT_READ_TOKEN)")
+    _tls_flags(par)
     return p
+
+
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    """The client's TLS options (https:// and grpcs:// URLs), as for ``Client``."""
+    p.add_argument("--ca-file", metavar="PEM", help="trust this CA (default: the system's)")
+    p.add_argument("--cert-file", metavar="PEM", help="client certificate (mutual TLS)")
+    p.add_argument("--key-file", metavar="PEM", help="the client certificate's private key")
+
+
+def _tls_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -186,21 +229,32 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from oldlogit_service.server import Bound, serve
+    from oldlogit_service.server import Bound, serve, server_tls
+    from oldlogit_service.tls import TlsConfigError
+
+    try:
+        tls = server_tls(settings)  # before the model loads: a bad file fails at once
+    except TlsConfigError as exc:
+        print(f"oldlogit serve: {exc}", file=sys.stderr)
+        return 2
 
     def ready(bound: Bound, _rt: Any) -> None:
         # One line each, machine-readable: scripts and tests read the chosen ports from here.
+        # The probe port first: whoever waits for http= and grpc= has it already.
+        if bound.health is not None:
+            print(f"health={bound.health}", flush=True)
         print(f"http={bound.http}", flush=True)
         print(f"grpc={bound.grpc}", flush=True)
         if settings.write_token is None:
             logging.getLogger("oldlogit").warning(
-                "no --write-token: publish/delete/watermark/leases accepted from loopback only"
+                "no --write-token: publish/delete/watermark/leases refused"
+                + (" (TLS is on)" if tls is not None else " except from loopback")
             )
 
     from oldlogit_service.engine import NumericsCheckFailed
 
     try:
-        asyncio.run(serve(settings, on_ready=ready))
+        asyncio.run(serve(settings, on_ready=ready, tls=tls))
     except NumericsCheckFailed as exc:
         print(f"oldlogit serve: {exc}; start with --numerics hf to serve anyway", file=sys.stderr)
         return 2
@@ -214,7 +268,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     token = args.token or os.environ.get("OLDLOGIT_WRITE_TOKEN")
     try:
-        with Client(args.url, token=token, timeout_s=3600.0) as c:
+        with Client(args.url, token=token, timeout_s=3600.0, **_tls_kwargs(args)) as c:
             if args.path is not None:
                 res = c.publish(args.policy_version, str(args.path), by_path=True)
             else:
@@ -250,7 +304,7 @@ def _parity(args: argparse.Namespace) -> int:
         sizes = [int(x) for x in str(args.micro_batches).split(",") if x.strip()]
         if not sizes or min(sizes) < 1 or args.samples < 1:
             raise ValueError("--micro-batches and --samples must be positive")
-        with Client(args.url, token=token, timeout_s=600.0) as c:
+        with Client(args.url, token=token, timeout_s=600.0, **_tls_kwargs(args)) as c:
             info = c.info()
             model: Any = AutoModelForCausalLM.from_pretrained(
                 str(args.model), dtype=getattr(torch, info.dtype)
@@ -307,6 +361,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    # gRPC's core logs every failed TLS handshake at INFO on stderr; the commands report
+    # errors in one line of their own (GRPC_VERBOSITY set by the user still wins).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the suite parses its own flags
         return _bench(argparse.Namespace(rest=argv[1:]))

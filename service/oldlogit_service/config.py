@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from oldlogit.parity import DEFAULT_TILE_ROWS
@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     # Secrets: never shown by repr() or logs; compared in constant time (runtime.authorize).
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
+    # Transport security (README "Security"): PEM files for both transports, re-read on SIGHUP
+    # and every tls_reload_interval_s (new handshakes get the new certificates).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # mutual TLS: client certificates signed by this CA
+    tls_reload_interval_s: float = Field(30.0, gt=0)
+    # A plain-HTTP port that answers /healthz and /readyz only (probes that cannot speak TLS
+    # or present a client certificate); None: none.
+    health_port: int | None = Field(None, ge=0, le=65535)
     # Batching and limits.
     max_wait_ms: float = Field(2.0, ge=0)
     max_batch_tokens: int = Field(65536, ge=1)
@@ -94,6 +103,12 @@ class Settings(BaseSettings):
     # Approximate answers (never exact): the EWMA proxy policy's decay; None disables it.
     ewma_beta: float | None = Field(None, gt=0, lt=1)
 
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # OLDLOGIT_TLS_CLIENT_CA_FILE="" (a compose default) means "not set", not the cwd.
+        return None if value == "" else value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.model is None and not self.demo:
@@ -105,6 +120,18 @@ class Settings(BaseSettings):
                 f"--advertise-host {self.advertise_host} is no address a client can reach: "
                 "give this replica's DNS name or IP (compose: the service name; Kubernetes: "
                 "the pod IP), or leave it unset"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "TLS needs both --tls-cert-file (the PEM chain) and --tls-key-file (its key)"
+            )
+        if self.health_port and self.health_port in (self.http_port, self.grpc_port):
+            raise ValueError(
+                f"--health-port {self.health_port} is also the HTTP or gRPC port: pick another"
+            )
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file"
             )
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError(
@@ -122,6 +149,10 @@ class Settings(BaseSettings):
             free, _total = torch.cuda.mem_get_info(device)
             return max(0, int(free - self.activation_headroom_gib * GIB))
         return 4 * GIB
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_file is not None
 
     @property
     def host_budget_bytes(self) -> int:

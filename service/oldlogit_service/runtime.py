@@ -211,10 +211,12 @@ class Runtime:
         read_token = s.read_token.get_secret_value() if s.read_token else None
         expected = write_token if write else read_token
         if write and expected is None:
-            # No write token configured: writes are bound to loopback only.
-            if peer is not None and not peer.startswith(_LOOPBACK):
+            # No write token configured: writes are bound to loopback only, and to nobody with
+            # TLS on (a TLS-terminating proxy beside the server would make every peer loopback).
+            if s.tls_enabled or (peer is not None and not peer.startswith(_LOOPBACK)):
                 raise Forbidden(
-                    "writes are only accepted from loopback when no --write-token is set",
+                    "writes are only accepted from loopback when no --write-token is set"
+                    + (", and not at all with TLS on" if s.tls_enabled else ""),
                     parameter="authorization",
                 )
             return

@@ -1,8 +1,10 @@
 """Build the runtime from ``Settings`` and run HTTP (uvicorn) and gRPC (grpc.aio) in one loop.
 
 Shutdown on SIGTERM/SIGINT: not-ready first (``/readyz`` and gRPC health flip), drain the
-queue, then stop both servers. ``ServerThread`` runs the same thing on a background thread for
-tests and benchmarks (real servers on 127.0.0.1, port 0).
+queue, then stop both servers. With TLS on, both ports serve ``ServerTls``'s certificates,
+re-read on SIGHUP and every ``tls_reload_interval_s``; ``--health-port`` adds a plain-HTTP port
+with the probes only. ``ServerThread`` runs the same thing on a background thread for tests and
+benchmarks (real servers on 127.0.0.1, port 0).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import tempfile
 import threading
 import time
@@ -24,7 +27,7 @@ import torch
 import uvicorn
 
 from oldlogit_service.api.grpc import start_grpc_server
-from oldlogit_service.api.http import create_app
+from oldlogit_service.api.http import create_app, create_health_app
 from oldlogit_service.cache import ResultCache
 from oldlogit_service.cluster import ClusterControl, advertised_address, default_replica_id
 from oldlogit_service.config import Settings
@@ -44,6 +47,7 @@ from oldlogit_service.model import (
 from oldlogit_service.redis_adapters import RedisResultCache, check_eviction_policy, connect
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +174,33 @@ class _Uvicorn(uvicorn.Server):
 class Bound:
     http: str  # host:port
     grpc: str  # host:port
+    health: str | None = None  # host:port of --health-port (plain HTTP, probes only)
+
+
+def server_tls(settings: Settings) -> ServerTls | None:
+    """The TLS files of the settings, loaded (``TlsConfigError`` names a bad one)."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    return ServerTls(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+
+
+def _fixed_context(ctx: ssl.SSLContext) -> Callable[..., ssl.SSLContext]:
+    def factory(_config: uvicorn.Config, _default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        return ctx
+
+    return factory
+
+
+async def _reload_tls(tls: ServerTls, interval_s: float, wake: asyncio.Event) -> None:
+    """Re-read the TLS files every ``interval_s`` or when woken (SIGHUP)."""
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval_s)
+        wake.clear()
+        # On the loop's own thread: uvicorn's handshakes use the live SSLContext from this
+        # thread, and OpenSSL does not promise a context may change under a concurrent
+        # handshake. The files are small: a reload takes about a millisecond.
+        tls.reload()
 
 
 async def serve(
@@ -179,41 +210,70 @@ async def serve(
     on_ready: Callable[[Bound, Runtime], None] | None = None,
     stop: asyncio.Event | None = None,
     install_signals: bool = True,
+    tls: ServerTls | None = None,
 ) -> None:
-    """Run both transports until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    """Run both transports until ``stop`` is set or SIGTERM/SIGINT arrives.
+
+    ``tls``: the certificates already loaded (the CLI loads them before the model, so a bad
+    file fails at once); None loads them from ``settings`` when TLS is configured.
+    """
+    tls = tls or server_tls(settings)  # before the model: a bad file fails at once
     rt: Runtime = (
         runtime if runtime is not None else await asyncio.to_thread(build_runtime, settings)
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    reload_now = asyncio.Event()
     if install_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-    sock = _bind(settings.host, settings.http_port)
-    http_port = sock.getsockname()[1]
-    app = create_app(rt)
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        timeout_keep_alive=30,
-        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+        if tls is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(signal.SIGHUP, reload_now.set)
+    servers: list[tuple[_Uvicorn, asyncio.Task[None]]] = []
+    ports: dict[str, int] = {}
+    apps = [("http", settings.http_port, create_app(rt), tls)]
+    if settings.health_port is not None:
+        apps.append(("health", settings.health_port, create_health_app(rt), None))
+    for name, port, app, app_tls in apps:
+        sock = _bind(settings.host, port)
+        ports[name] = sock.getsockname()[1]
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+            # The one live context of ServerTls: its reloads reach new handshakes.
+            ssl_context_factory=_fixed_context(app_tls.ssl_context) if app_tls else None,
+        )
+        server = _Uvicorn(config)
+        servers.append((server, asyncio.create_task(server.serve(sockets=[sock]))))
+    grpc_server, grpc_port, health = await start_grpc_server(
+        rt, settings.host, settings.grpc_port, tls
     )
-    http_server = _Uvicorn(config)
-    grpc_server, grpc_port, health = await start_grpc_server(rt, settings.host, settings.grpc_port)
-    http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
     sampler = asyncio.create_task(sample_forever(rt.history, rt.metrics.registry))
-    while not http_server.started and not http_task.done():
-        await asyncio.sleep(0.01)
-    if http_task.done():
-        await http_task  # raises the start-up error
+    reloader = (
+        asyncio.create_task(_reload_tls(tls, settings.tls_reload_interval_s, reload_now))
+        if tls is not None
+        else None
+    )
+    for server, task in servers:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            await task  # raises the start-up error
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    bound = Bound(http=f"{host}:{http_port}", grpc=f"{host}:{grpc_port}")
+    bound = Bound(
+        http=f"{host}:{ports['http']}",
+        grpc=f"{host}:{grpc_port}",
+        health=f"{host}:{ports['health']}" if "health" in ports else None,
+    )
     # The membership lists where others reach us, not where we bound (0.0.0.0 is no address).
     rt.start(
-        http=advertised_address(settings.host, http_port, settings.advertise_host),
+        http=advertised_address(settings.host, ports["http"], settings.advertise_host),
         grpc=advertised_address(settings.host, grpc_port, settings.advertise_host),
     )
     if on_ready is not None:
@@ -228,10 +288,14 @@ async def serve(
         if not drained:
             logger.warning("drain timed out; remaining requests are failed as unavailable")
         await grpc_server.stop(grace=min(5.0, settings.drain_timeout_s))
-        http_server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(http_task, timeout=settings.drain_timeout_s + 5)
+        for server, _ in servers:
+            server.should_exit = True
+        for _, task in servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, timeout=settings.drain_timeout_s + 5)
         sampler.cancel()
+        if reloader is not None:
+            reloader.cancel()
         rt.close()
 
 
@@ -247,6 +311,7 @@ class ServerThread:
         self._error: BaseException | None = None
         self.bound: Bound | None = None
         self.runtime: Runtime | None = None
+        self._tls: ServerTls | None = None
         self._thread = threading.Thread(target=self._main, name="oldlogit-server", daemon=True)
 
     def _main(self) -> None:
@@ -258,12 +323,14 @@ class ServerThread:
                 self.bound, self.runtime = b, rt
                 self._ready.set()
 
+            self._tls = server_tls(self.settings)
             await serve(
                 self.settings,
                 runtime=self._runtime,
                 on_ready=ready,
                 stop=self._stop,
                 install_signals=False,
+                tls=self._tls,
             )
 
         try:
@@ -283,12 +350,27 @@ class ServerThread:
     @property
     def http_url(self) -> str:
         assert self.bound is not None
-        return f"http://{self.bound.http}"
+        return f"{'https' if self.settings.tls_enabled else 'http'}://{self.bound.http}"
 
     @property
     def grpc_url(self) -> str:
         assert self.bound is not None
-        return f"grpc://{self.bound.grpc}"
+        return f"{'grpcs' if self.settings.tls_enabled else 'grpc'}://{self.bound.grpc}"
+
+    @property
+    def tls(self) -> ServerTls | None:
+        """The live certificates (tests call ``reload()`` on it instead of sending SIGHUP)."""
+        return self._tls
+
+    def reload_tls(self) -> bool:
+        """Re-read the TLS files now, as SIGHUP does (on the server's loop); True if changed."""
+        tls, loop = self._tls, self._loop
+        assert tls is not None and loop is not None
+
+        async def reload() -> bool:
+            return tls.reload()
+
+        return asyncio.run_coroutine_threadsafe(reload(), loop).result(timeout=30)
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():

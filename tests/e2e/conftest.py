@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -33,8 +34,13 @@ class CliServer:
 
 
 def start_cli(
-    args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 120.0
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+    tls: ssl.SSLContext | None = None,
 ) -> CliServer:
+    """``tls``: the server speaks TLS; its readiness is asked over https with this context."""
     cmd = [sys.executable, "-m", "oldlogit_service.cli", "serve", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
@@ -63,7 +69,8 @@ def start_cli(
         raise TimeoutError("no ports printed:\n" + "\n".join(lines[-40:]))
     srv = CliServer(proc, found["http"], found["grpc"], lines)
     # Ports are printed once both servers listen; readiness must follow at once.
-    r = httpx.get(f"http://{srv.http}/readyz", timeout=10)
+    scheme = "https" if tls is not None else "http"
+    r = httpx.get(f"{scheme}://{srv.http}/readyz", timeout=10, verify=tls or True)
     assert r.status_code == 200
     return srv
 

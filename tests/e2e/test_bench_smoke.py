@@ -27,6 +27,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
             "parity",
             "pipeline",
             "soak",
+            "tls",
             "--smoke",
             "--out",
             str(tmp_path),
@@ -43,13 +44,16 @@ def test_bench_smoke(tmp_path: Path) -> None:
     by_name = {f["name"]: f for f in data["figures"]}
     assert by_name["in-process engine"]["value"] > 0
     # Every figure of the suite ran (tiny sizes) and the plots were written.
-    for prefix in ("P2 ", "P3 ", "P6 ", "P7 ", "latency", "I1 ", "I2 ", "I3 ", "I4 ", "L1 "):
+    for prefix in ("P2 ", "P3 ", "P6 ", "P7 ", "latency", "I1 ", "I2 ", "I3 ", "I4 ", "L1 ", "S1 "):
         assert any(n.startswith(prefix) for n in names), prefix
     assert any("snapshot" in n or "stored" in n or "cold" in n for n in names), names
     assert (tmp_path / "ratios.png").stat().st_size > 1000
     # Parity: the patched trainer is the service at every micro-batch size, even in smoke sizes.
     patched = [f for n, f in by_name.items() if n.startswith("I4 patched")]
     assert len(patched) == 3 and all(f["value"] == 0 for f in patched)
+    # TLS ÷ plaintext gRPC throughput: both servers answered (a positive, finite ratio).
+    s1 = [f for n, f in by_name.items() if n.startswith("S1 ")]
+    assert len(s1) == 2 and all(0 < f["value"] < 100 for f in s1), s1
     # The soak's short configuration: publishes, evictions, load; zero errors.
     assert by_name["soak errors"]["value"] == 0, by_name["soak errors"]["detail"]["errors"]
     assert by_name["soak errors"]["detail"]["requests"] > 20

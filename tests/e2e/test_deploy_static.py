@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -311,6 +312,9 @@ def test_compose_topology() -> None:
         assert not any("redis://" in w for w in s["command"])  # no password in `ps`
         # Others reach it by its service name, and its store directory survives re-creation.
         assert env["OLDLOGIT_ADVERTISE_HOST"] == env["OLDLOGIT_REPLICA_ID"] == name
+        # Probes on the plain probe port (works with TLS on), which is never published.
+        assert "OLDLOGIT_HEALTH_PORT" in s["healthcheck"]["test"][-1]
+        assert not any(p.endswith(":" + env["OLDLOGIT_HEALTH_PORT"]) for p in s["ports"])
         drain = float(env["OLDLOGIT_DRAIN_TIMEOUT_S"])
         assert float(s["stop_grace_period"].rstrip("s")) > drain
         # Published on the host's loopback unless asked otherwise.
@@ -434,10 +438,11 @@ def test_every_compose_command_runs_against_local_servers(
         replica_env = {
             k: argv([v])[0] for k, v in services["oldlogit-1"]["environment"].items() if k != "HOME"
         }
+        replica_env["OLDLOGIT_HEALTH_PORT"] = "0"  # the probe port, free here
         srv = start_cli(cmd[1:], env=replica_env)
         try:
             done |= {("oldlogit-1", "command"), ("oldlogit-2", "command")}
-            port = {"OLDLOGIT_HTTP_PORT": srv.http.rsplit(":", 1)[1]}
+            port = {"OLDLOGIT_HEALTH_PORT": health_port(srv.lines)}
             assert healthcheck("oldlogit-1", port) == healthcheck("oldlogit-2", port) == 0
             subs.update(
                 {
@@ -471,6 +476,113 @@ def test_every_compose_command_runs_against_local_servers(
         finally:
             assert srv.stop() == 0
     assert done == todo, f"not run: {todo - done}"
+
+
+def health_port(lines: list[str]) -> str:
+    """The probe port `oldlogit serve` printed (``health=HOST:PORT``)."""
+    (found,) = [ln.split("=", 1)[1] for ln in lines if ln.startswith("health=")]
+    return found.rsplit(":", 1)[1]
+
+
+def merge_override(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Compose's rule for the keys the TLS override uses: ``environment`` maps merge (the
+    override wins), ``volumes`` merge by mount path, anything else is replaced."""
+    services = {name: dict(s) for name, s in base["services"].items()}
+    for name, extra in override["services"].items():
+        s = services[name]
+        for key, value in extra.items():
+            if key == "environment":
+                s[key] = {**s.get(key, {}), **value}
+            elif key == "volumes":
+                by_target = {v.split(":")[1]: v for v in [*s.get(key, []), *value]}
+                s[key] = list(by_target.values())
+            else:
+                s[key] = value
+    return {**base, "services": services}
+
+
+def test_compose_tls_override(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """docker-compose.tls.yml: schema-valid, its TLS directory required, and, merged onto
+    docker-compose.yml, the replica's command serves mutual TLS on both ports from the mounted
+    files; the healthcheck passes on the plain probe port while plain HTTP on the API port
+    fails; the demo trainer and rollout worker run with their TLS command lines."""
+    from ..tls_certs import CertAuthority
+
+    checker = tool("check-jsonschema")
+    out = run([checker, "--builtin-schema", "vendor.compose-spec", "docker-compose.tls.yml"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    raw = yaml.safe_load((REPO / "docker-compose.tls.yml").read_text())
+    assert "name" not in raw
+    with pytest.raises(KeyError, match="OLDLOGIT_TLS_DIR"):
+        interpolate(raw, SECRETS)
+    tls_dir = tmp_path / "tls"
+    ca = CertAuthority(tls_dir, "compose CA")
+    for stem, client in (("tls", False), ("client", True)):
+        pair = ca.issue(stem, client=client)
+        pair.cert.rename(tls_dir / f"{stem}.crt")
+        pair.key.rename(tls_dir / f"{stem}.key")
+    ca.pem.rename(tls_dir / "ca.crt")
+    env = {
+        **SECRETS,
+        "OLDLOGIT_TLS_DIR": str(tls_dir),
+        "OLDLOGIT_TLS_CLIENT_CA_FILE": "/tls/ca.crt",
+        "OLDLOGIT_MODEL_DIR": str(tiny_model_dir),
+        "OLDLOGIT_WRITE_TOKEN": TOKEN,
+    }
+    merged = merge_override(compose(env), interpolate(raw, env))["services"]
+    for name in ("oldlogit-1", "oldlogit-2", "trainer", "rollout-worker"):
+        assert f"{tls_dir}:/tls:ro" in merged[name]["volumes"], name
+    r1 = merged["oldlogit-1"]
+    assert r1["healthcheck"] == compose(env)["services"]["oldlogit-1"]["healthcheck"]
+    assert "OLDLOGIT_REDIS_URL" in r1["environment"]  # the base's settings are kept
+    # One replica here, without Redis (the compose test above runs the Redis pair).
+    subs = {"/tls/": f"{tls_dir}/", "/snapshots": str(tmp_path / "snap"), "0.0.0.0": "127.0.0.1"}
+    subs["/model"] = str(tiny_model_dir)
+
+    def rewrite(word: str) -> str:
+        for old, new in subs.items():
+            word = word.replace(old, new)
+        return word
+
+    renv = {k: rewrite(v) for k, v in r1["environment"].items() if "REDIS" not in k}
+    renv.pop("HOME")
+    renv["OLDLOGIT_HEALTH_PORT"] = "0"
+    cmd = [rewrite(w) for w in r1["command"]]
+    for flag in ("--http-port", "--grpc-port"):
+        cmd[cmd.index(flag) + 1] = "0"
+    probe = ssl.create_default_context(cafile=str(tls_dir / "ca.crt"))
+    probe.load_cert_chain(tls_dir / "client.crt", tls_dir / "client.key")
+    srv = start_cli(cmd[1:], env=renv, tls=probe)
+    try:
+        words = r1["healthcheck"]["test"][1:]
+        argv = [sys.executable if w == "python" else w for w in words]
+        http_only = {**os.environ, "OLDLOGIT_HTTP_PORT": srv.http.rsplit(":", 1)[1]}
+        ok = run(argv, env={**http_only, "OLDLOGIT_HEALTH_PORT": health_port(srv.lines)})
+        assert ok.returncode == 0, ok.stderr
+        assert run(argv, env=http_only).returncode != 0  # plain HTTP to the TLS port: no
+        subs.update(
+            {
+                "oldlogit-1:8000": srv.http,
+                "oldlogit-2:8000": srv.http,
+                "oldlogit-1:50051": srv.grpc,
+                "oldlogit-2:50051": srv.grpc,
+                "/examples/": f"{REPO}/examples/compose/",
+                "/tmp/heartbeat": str(tmp_path / "heartbeat"),
+            }
+        )
+        for name, bounded in (
+            ("trainer", ["--steps", "1", "--interval-s", "0"]),
+            ("rollout-worker", ["--rounds", "2", "--interval-s", "0"]),
+        ):
+            s = merged[name]
+            words = [rewrite(w) for w in s["entrypoint"] + s["command"]] + bounded
+            out = run(
+                [sys.executable if w == "python" else w for w in words],
+                env={**os.environ, "OLDLOGIT_WRITE_TOKEN": TOKEN},
+            )
+            assert out.returncode == 0, (name, out.stdout[-2000:], out.stderr[-2000:])
+    finally:
+        assert srv.stop() == 0
 
 
 # ---------------------------------------------------------------------------- Kubernetes
@@ -517,16 +629,48 @@ def test_overlay_semantics(overlay: str) -> None:
     env = config["data"]
     # Every key is a setting (extra=forbid), and together they are a valid Settings.
     settings = Settings(**{k.removeprefix("OLDLOGIT_").lower(): v for k, v in env.items()})
-    # Bound to every interface, so the replica advertises its pod IP (the downward API).
+    # Bound to every interface, so the replica advertises its pod IP (the downward API), or
+    # with TLS its DNS name under the headless Service (a certificate can name that).
     assert is_wildcard(settings.host)
+    names = [e["name"] for e in c["env"]]
     (advertise,) = [e for e in c["env"] if e["name"] == "OLDLOGIT_ADVERTISE_HOST"]
-    assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    if settings.tls_enabled:
+        assert advertise["value"] == "$(POD_NAME).oldlogit-headless.$(POD_NAMESPACE).svc"
+        assert "valueFrom" not in advertise and pod["subdomain"] == "oldlogit-headless"
+        for var, field in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace")):
+            # $(VAR) expands only variables defined earlier in the list.
+            assert names.index(var) < names.index("OLDLOGIT_ADVERTISE_HOST")
+            (e,) = [e for e in c["env"] if e["name"] == var]
+            assert e["valueFrom"] == {"fieldRef": {"fieldPath": field}}
+    else:
+        assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": settings.http_port, "grpc": settings.grpc_port}
-    # Probes: slow first loads, readiness = can serve, liveness independent of Redis.
+    assert ports == {
+        "http": settings.http_port,
+        "grpc": settings.grpc_port,
+        "health": settings.health_port,
+    }
+    # Probes: slow first loads, readiness = can serve, liveness independent of Redis; all on
+    # the plain probe port, so TLS and mutual TLS change nothing for the kubelet.
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == "health", probe
+        assert c[probe]["httpGet"].get("scheme", "HTTP") == "HTTP", probe
+    # TLS: the Secret mounted read-only where the settings look for the files.
+    if settings.tls_enabled:
+        assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+        (tls_mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+        assert tls_mount["readOnly"] is True
+        files = [settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file]
+        for f in files:
+            assert f is None or str(f.parent) == tls_mount["mountPath"], f
+        secret = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]
+        assert secret["secretName"] == "oldlogit-tls"
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scheme"] == "https"
+        assert (settings.tls_client_ca_file is not None) == overlay.endswith("mtls")
     pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pre_stop + settings.drain_timeout_s + 5
     # Storage: the RWX claim is what the pods mount, and the settings' paths are on it.
@@ -566,7 +710,7 @@ def test_overlay_semantics(overlay: str) -> None:
         args = rc["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--maxmemory-policy") + 1] == policy
     gpus = c["resources"]["limits"].get("nvidia.com/gpu")
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         assert settings.device == "cuda" and gpus == 1
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
             "tolerations"

@@ -126,6 +126,8 @@ def test_overloaded_backs_off_at_least_retry_after() -> None:
         errors.UnknownVersion("no"),
         errors.DeadlineExceeded("late"),
         errors.InternalError("boom"),
+        # A failed TLS handshake: every replica shares the certificates, none is "down".
+        errors.TlsError("untrusted", parameter="ca_file", details={"reason": "untrusted"}),
     ],
 )
 def test_other_errors_are_not_retried(err: errors.OldLogitError) -> None:
@@ -281,7 +283,7 @@ class FakeTransport:
 def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeTransport]:
     made: dict[str, FakeTransport] = {}
 
-    def open_fake(url: str, *, token: str | None, http_encoding: str) -> FakeTransport:
+    def open_fake(url: str, *, token: str | None, http_encoding: str, tls: Any) -> FakeTransport:
         return made.setdefault(url, FakeTransport(url))
 
     monkeypatch.setattr(client_mod, "open_transport", open_fake)

@@ -1,8 +1,10 @@
 """gRPC transport (grpc.aio): each method converts, calls ``Runtime``, converts back.
 
-One interceptor maps every error of the tree to its status code, with the error payload in the
+One interceptor authorises every call before its handler runs (and before a malformed body is
+reported), maps every error of the tree to its status code, with the error payload in the
 trailing metadata (``oldlogit-error-bin``) and ``retry-after`` for Overloaded, and records
-metrics. Also serves ``grpc.health.v1.Health`` and server reflection.
+metrics. Also serves ``grpc.health.v1.Health`` (open, for probes) and server reflection (read
+token, like ``/openapi.json``). With TLS on, the port serves ``ServerTls``'s dynamic credentials.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from oldlogit.errors import (
     OldLogitError,
 )
 from oldlogit_service.runtime import Runtime
+from oldlogit_service.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "oldlogit.v1.OldLogit"
+_REFLECTION_PREFIX = "/grpc.reflection."
 _WRITE_METHODS = {
     "DeleteVersion",
     "Publish",
@@ -52,7 +56,11 @@ def _peer_host(peer: str) -> str:
 
 
 def _token(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
-    for key, value in context.invocation_metadata() or ():
+    return _bearer(context.invocation_metadata())
+
+
+def _bearer(metadata: Any) -> str | None:
+    for key, value in metadata or ():
         if key == "authorization":
             scheme, _, tok = str(value).partition(" ")
             return tok.strip() if scheme.lower() == "bearer" else None
@@ -144,6 +152,14 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         path = details.method or ""
+        if handler is not None and path.startswith(_REFLECTION_PREFIX):
+            try:
+                self._rt.authorize(
+                    write=False, token=_bearer(details.invocation_metadata), peer=None
+                )
+            except OldLogitError as exc:
+                return _refusal(handler, exc)
+            return handler
         if handler is None or not path.startswith(f"/{SERVICE}/"):
             return handler
         method = path.rsplit("/", 1)[-1]
@@ -161,6 +177,19 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, err: OldLogitError) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that only answers ``err`` (reflection is a bidi stream)."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await _abort(context, err)
+
+    return grpc.stream_stream_rpc_method_handler(
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 async def _publish_stream(stream: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[bytes]]:
@@ -275,7 +304,7 @@ class Health:
 
 
 async def start_grpc_server(
-    rt: Runtime, host: str, port: int
+    rt: Runtime, host: str, port: int, tls: ServerTls | None = None
 ) -> tuple[grpc.aio.Server, int, Health]:
     max_bytes = int(rt.settings.max_request_mib * 1024 * 1024)
     server = grpc.aio.server(
@@ -299,7 +328,11 @@ async def start_grpc_server(
         server,
     )
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(target)
+    bound = (
+        server.add_secure_port(target, tls.grpc_credentials())
+        if tls is not None
+        else server.add_insecure_port(target)
+    )
     if bound == 0:
         raise OSError(f"could not bind gRPC to {target}")
     await server.start()

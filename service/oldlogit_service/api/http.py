@@ -1,8 +1,10 @@
 """HTTP transport (FastAPI): each route converts, calls ``Runtime``, converts back.
 
-Errors of the tree are mapped by one handler from their class attributes (status, code,
-Retry-After); framework errors (validation, unknown route) become errors of the tree too, so
-every non-2xx body is ``{"error": {"code", "message", "parameter"?, "details"?}}``.
+Authorisation runs first, in an ASGI gate that sees only the method, path and headers, so a
+request without credentials gets its 401 before any body is read or validated (``access``
+says which token a route needs). Errors of the tree are mapped by one handler from their class
+attributes (status, code, Retry-After); framework errors (validation, unknown route) become
+errors of the tree too, so every non-2xx body is ``{"error": {"code", "message", ...}}``.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from oldlogit import wire
 from oldlogit.errors import (
@@ -66,12 +69,72 @@ def _loc_to_parameter(loc: tuple[Any, ...]) -> str:
     return wire.parameter_path([p for p in loc if p not in ("body", "query", "path", "header")])
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization")
-    if not auth:
-        return None
-    scheme, _, token = auth.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
+# Who may call what (README "Security"). Probes are open; everything else reads with the read
+# token (when one is set) — the API, /metrics, the status page, /docs and /openapi.json — and
+# every method that changes state needs the write token, so a route added later is guarded
+# by its method without being listed here.
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+READ_POSTS = frozenset({"/v1/logprobs"})  # a read with a body
+
+
+def access(method: str, path: str) -> Literal["open", "read", "write"]:
+    if path in OPEN_PATHS:
+        return "open"
+    if method in READ_METHODS or path in READ_POSTS:
+        return "read"
+    return "write"
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for key, value in headers:
+        if key.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+class AuthGate:
+    """Authorise from the request line and headers alone, before routing reads the body."""
+
+    def __init__(self, app: ASGIApp, rt: Runtime) -> None:
+        self.app = app
+        self.rt = rt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            kind = access(scope["method"], scope["path"])
+            if kind != "open":
+                client = scope.get("client")
+                try:
+                    self.rt.authorize(
+                        write=kind == "write",
+                        token=_bearer(scope["headers"]),
+                        peer=client[0] if client else None,
+                    )
+                except OldLogitError as exc:
+                    await error_response(exc)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def _add_probes(app: FastAPI, rt: Runtime) -> None:
+    @app.get("/healthz", summary="Alive")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Can serve: model loaded, not draining")
+    async def readyz() -> JSONResponse:
+        if rt.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+
+def create_health_app(rt: Runtime) -> FastAPI:
+    """The plain-HTTP probe port (``--health-port``): ``/healthz`` and ``/readyz``, nothing else."""
+    app = FastAPI(title="oldlogit probes", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_probes(app, rt)
+    return app
 
 
 def create_app(rt: Runtime) -> FastAPI:
@@ -83,9 +146,8 @@ def create_app(rt: Runtime) -> FastAPI:
         description="Exact training-side logprobs of any retained policy version.",
     )
 
-    def auth(request: Request, *, write: bool) -> None:
-        peer = request.client.host if request.client else None
-        rt.authorize(write=write, token=_bearer(request), peer=peer)
+    # Added first, so it runs inside _observe (401s are counted) and before any route.
+    app.add_middleware(AuthGate, rt=rt)
 
     @app.exception_handler(OldLogitError)
     async def _on_error(request: Request, exc: OldLogitError) -> Response:
@@ -159,7 +221,6 @@ def create_app(rt: Runtime) -> FastAPI:
         responses={200: {"description": "Scored logprobs only, in position order; see README"}},
     )
     async def logprobs(request: Request) -> Response:
-        auth(request, write=False)
         body = await read_body(request, max_request_bytes, "request body")
         req = wire.decode_request(body, request.headers.get("content-type", wire.JSON_TYPE))
         resp = await rt.logprobs(req)
@@ -168,19 +229,16 @@ def create_app(rt: Runtime) -> FastAPI:
 
     # -- versions ------------------------------------------------------------------------
     @app.get("/v1/versions", summary="Retained versions, their tiers, and the watermark")
-    async def list_versions(request: Request) -> dict[str, Any]:
-        auth(request, write=False)
+    async def list_versions() -> dict[str, Any]:
         versions, watermark = await rt.versions()
         return {"versions": [v.model_dump(mode="json") for v in versions], "watermark": watermark}
 
     @app.get("/v1/versions/{policy_version}", response_model=VersionInfo)
-    async def get_version(request: Request, policy_version: int) -> VersionInfo:
-        auth(request, write=False)
+    async def get_version(policy_version: int) -> VersionInfo:
         return await rt.version(policy_version)
 
     @app.delete("/v1/versions/{policy_version}")
-    async def delete_version(request: Request, policy_version: int) -> dict[str, int]:
-        auth(request, write=True)
+    async def delete_version(policy_version: int) -> dict[str, int]:
         await rt.delete_version(policy_version)
         return {"deleted": policy_version}
 
@@ -204,7 +262,6 @@ def create_app(rt: Runtime) -> FastAPI:
         delta: bool = False,
         parent: int | None = None,
     ) -> PublishResult:
-        auth(request, write=True)
         return await rt.publish_stream(
             policy_version, request.stream(), sha256=sha256, delta=delta, parent=parent
         )
@@ -214,8 +271,7 @@ def create_app(rt: Runtime) -> FastAPI:
         response_model=PublishResult,
         summary="Publish a version from a path on storage the service can read",
     )
-    async def publish_by_path(request: Request, body: PublishByPathBody) -> PublishResult:
-        auth(request, write=True)
+    async def publish_by_path(body: PublishByPathBody) -> PublishResult:
         return await rt.publish_path(
             body.policy_version,
             body.path,
@@ -226,41 +282,28 @@ def create_app(rt: Runtime) -> FastAPI:
 
     # -- retention -----------------------------------------------------------------------
     @app.post("/v1/watermark", summary="The trainer will never ask below this version")
-    async def set_watermark(request: Request, body: WatermarkBody) -> dict[str, int]:
-        auth(request, write=True)
+    async def set_watermark(body: WatermarkBody) -> dict[str, int]:
         return {"watermark": await rt.set_watermark(body.policy_version)}
 
     @app.post("/v1/leases", response_model=LeaseInfo, summary="Pin a version for ttl_s seconds")
-    async def create_lease(request: Request, body: LeaseBody) -> LeaseInfo:
-        auth(request, write=True)
+    async def create_lease(body: LeaseBody) -> LeaseInfo:
         return await rt.create_lease(body.policy_version, body.holder, body.ttl_s)
 
     @app.delete("/v1/leases/{lease_id}")
-    async def delete_lease(request: Request, lease_id: str) -> dict[str, str]:
-        auth(request, write=True)
+    async def delete_lease(lease_id: str) -> dict[str, str]:
         await rt.release_lease(lease_id)
         return {"released": lease_id}
 
     # -- introspection -------------------------------------------------------------------
     @app.get("/v1/info", response_model=Info)
-    async def info(request: Request) -> Info:
-        auth(request, write=False)
+    async def info() -> Info:
         return await rt.info()
 
     @app.get("/v1/replicas", summary="Live replicas of the deployment (scale-out discovery)")
-    async def replicas(request: Request) -> dict[str, Any]:
-        auth(request, write=False)
+    async def replicas() -> dict[str, Any]:
         return {"replicas": await rt.replicas()}
 
-    @app.get("/healthz", summary="Alive")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz", summary="Can serve: model loaded, not draining")
-    async def readyz() -> JSONResponse:
-        if rt.ready:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "not ready"}, status_code=503)
+    _add_probes(app, rt)
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:

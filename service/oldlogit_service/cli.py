@@ -181,12 +181,30 @@ def _serve(args: argparse.Namespace) -> int:
                 "no --write-token: publish/delete/watermark/leases accepted from loopback only"
             )
 
+    from oldlogit import OldLogitError
     from oldlogit_service.engine import NumericsCheckFailed
+    from oldlogit_service.model import UnsupportedModel
+
+    started = False
+
+    def on_ready(bound: Bound, rt: Any) -> None:
+        nonlocal started
+        started = True
+        ready(bound, rt)
 
     try:
-        asyncio.run(serve(settings, on_ready=ready))
+        asyncio.run(serve(settings, on_ready=on_ready))
     except NumericsCheckFailed as exc:
         print(f"oldlogit serve: {exc}; start with --numerics hf to serve anyway", file=sys.stderr)
+        return 2
+    except UnsupportedModel as exc:  # one line naming the architecture, no traceback
+        print(f"oldlogit serve: {exc}", file=sys.stderr)
+        return 2
+    except OldLogitError as exc:
+        if started:
+            raise
+        # e.g. the model directory's weights do not fit its config (names the tensor)
+        print(f"oldlogit serve: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     return 0
 

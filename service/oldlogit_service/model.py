@@ -1,9 +1,14 @@
 """Model skeletons and weights: one parameter-free module per deployment, weights per call.
 
 In: an HF-format directory (config.json + safetensors). Out: a ``LoadedModel`` (the skeleton
-with parameters on the meta device, real buffers, the canonical parameter names/dtypes/shapes)
-and CPU weight dicts in the serving dtype. Must not hold any version's weights: every forward
-gets its weights through ``torch.func.functional_call``, so one skeleton serves every version.
+with parameters on the meta device, real buffers, the canonical weight names/dtypes/shapes and
+the names checkpoints may use instead, ``layout``). Must not hold any version's weights: every
+forward gets its weights through ``torch.func.functional_call``, so one skeleton serves every
+version. A version's weights are the model's ``state_dict()`` without tied duplicates: its
+parameters and its *persistent* buffers, i.e. the buffers a checkpoint carries and the forward
+reads (DeepSeek-V3's routing bias ``e_score_correction_bias``); non-persistent buffers (rotary
+``inv_freq``) are computed from the config and stay in the skeleton. Reading checkpoints onto
+these names is ``checkpoints``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -19,12 +25,11 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from oldlogit.errors import WeightsMismatch
+from oldlogit.layout import WeightLayout
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,7 @@ __all__ = [
     "ModelBackend",
     "ParamSpec",
     "TransformersBackend",
+    "UnsupportedModel",
     "canonicalize_weights",
     "dtype_from_name",
     "dtype_name",
@@ -65,6 +71,13 @@ _SAFETENSORS_NAMES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+class UnsupportedModel(RuntimeError):
+    """The model directory describes an architecture oldlogit cannot serve; the message is one
+    line that names it and says why (``oldlogit serve`` prints it and exits 2)."""
+
+
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _FALLBACK_MAX_POSITIONS = 1 << 20
 
@@ -201,6 +214,7 @@ class TransformersBackend:
         # Tying is what makes lm_head.weight *the same* meta Parameter as the embedding, so the
         # canonical names (and functional_call) see one tensor.
         module.tie_weights()  # type: ignore[operator]
+        _keep_in_fp32(module, dtype)
         module.eval()
         return module
 
@@ -257,6 +271,30 @@ class TransformersBackend:
         layout = self._layout(module)
         bias = weights[layout.head_bias] if layout.head_bias is not None else None
         return weights[layout.head_weight], bias
+
+
+def _keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
+    """The tensors ``from_pretrained(dtype=...)`` keeps in float32 (a model's
+    ``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek-V3's routing bias), float32 here too:
+    a trainer's state dict holds them so, and they are part of the numerics."""
+    get_plan = getattr(module, "_get_dtype_plan", None)
+    plan: dict[str, torch.dtype] = get_plan(dtype) if callable(get_plan) else {}
+    if not plan:
+        return
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"[^.]+")) for k in plan]
+    for sub_name, sub in module.named_modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in list(store.items()):
+                full = f"{sub_name}.{name}" if sub_name else name
+                if tensor is None or not any(p.search(full) for p in patterns):
+                    continue
+                if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                    if isinstance(tensor, nn.Parameter):
+                        store[name] = nn.Parameter(
+                            tensor.detach().to(torch.float32), requires_grad=tensor.requires_grad
+                        )
+                    else:
+                        store[name] = tensor.to(torch.float32)
 
 
 class CallableBackend:
@@ -316,13 +354,14 @@ class LoadedModel:
     architecture: str
     dtype: torch.dtype
     device: torch.device
-    param_specs: dict[str, ParamSpec]  # canonical name → (safetensors dtype, shape)
+    param_specs: dict[str, ParamSpec]  # canonical weight name → (safetensors dtype, shape)
     vocab_size: int
     max_positions: int
     num_parameters: int
     nbytes: int  # bytes of one version's weights in the serving dtype
     aliases: dict[str, str]  # tied duplicate name → canonical name (e.g. lm_head.weight)
-    buffer_names: frozenset[str]
+    buffer_names: frozenset[str]  # non-persistent buffers: never part of a version
+    layout: WeightLayout  # param_specs, aliases and the names checkpoints use instead
     attn_implementation: str | None = None  # e.g. "sdpa": part of the numerics
     # "invariant": the skeleton is patched once for its lifetime (oldlogit.parity) so that
     # every forward is batch-invariant; "hf": the unpatched transformers forward.
@@ -346,6 +385,12 @@ class LoadedModel:
             attention=self.attn_implementation or "eager",
         )
 
+    def weight_dtype(self, name: str) -> torch.dtype:
+        """The serving dtype of weight ``name`` (the model dtype, or float32 for the tensors
+        the model keeps in float32)."""
+        st = self.param_specs[name][0]
+        return next(d for d, s in _SAFETENSORS_NAMES.items() if s == st)
+
     def head_dtype_name(self, lm_head_fp32: bool) -> str:
         return "float32" if lm_head_fp32 else self.dtype_name
 
@@ -357,6 +402,25 @@ class LoadedModel:
 
     def head(self, weights: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         return self.backend.head(self.module, weights)
+
+    def head_logits(self, weights: Mapping[str, Tensor], hidden: Tensor, fp32: bool) -> Tensor:
+        """Logits of hidden rows [C, H] → [C, V] by the model's own head path.
+
+        A transformers model applies everything it does after its decoder (the lm_head, logit
+        soft-capping, logit scaling: ``oldlogit.parity.head_logits``); other backends are a
+        plain projection by ``head``. With ``fp32`` the hidden states and the head weight are
+        cast to float32 before the projection.
+        """
+        if isinstance(self.backend, TransformersBackend):
+            from oldlogit.parity.logprobs import head_logits
+
+            # [1, C, H] → [1, C, V]
+            rows = hidden.contiguous()[None]
+            return head_logits(self.module, rows, weights=weights, lm_head_fp32=fp32)[0]
+        from oldlogit_service.numerics import head_logits_chunk
+
+        head_weight, head_bias = self.head(weights)
+        return head_logits_chunk(hidden, head_weight, head_bias, fp32)
 
 
 def model_from_config(
@@ -384,11 +448,18 @@ def model_from_config(
     torch_dtype = dtype_from_name(dtype)
     torch_device = resolve_device(device)
     config = dict(config)
-    module = backend.build(config, torch_dtype)
+    name = _architecture_name(config)
+    try:
+        module = backend.build(config, torch_dtype)
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+        raise UnsupportedModel(
+            f"cannot serve {name}: transformers builds no causal LM from its config.json "
+            f"({_one_line(exc)})"
+        ) from exc
     for sub in module.modules():
-        for name, buffer in list(sub._buffers.items()):
+        for buffer_name, buffer in list(sub._buffers.items()):
             if buffer is not None:
-                sub._buffers[name] = buffer.to(torch_device)
+                sub._buffers[buffer_name] = buffer.to(torch_device)
 
     params = dict(module.named_parameters())  # dedups tied parameters: the canonical names
     canonical_by_id = {id(p): n for n, p in params.items()}
@@ -397,14 +468,29 @@ def model_from_config(
         for n, p in module.named_parameters(remove_duplicate=False)
         if n not in params
     }
+    # A version's weights: the state dict (parameters and persistent buffers) without tied
+    # duplicates, in state-dict order.
+    state = {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in aliases}
+    persistent = frozenset(n for n in state if n not in params)
     specs: dict[str, ParamSpec] = {
-        n: (safetensors_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()
+        n: (safetensors_dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()
     }
-    head_weight, _ = backend.head(module, params)
+    ignored = frozenset(n for n, _ in module.named_buffers() if n not in persistent)
+    try:
+        head_weight, _ = backend.head(module, params)
+    except (TypeError, KeyError) as exc:
+        raise UnsupportedModel(f"cannot serve {name}: {_one_line(exc)}") from exc
     if numerics == "invariant":
         from oldlogit.parity import patch_numerics
 
-        patch_numerics(module, tile_rows=tile_rows, strict=True)  # for the skeleton's lifetime
+        try:
+            patch_numerics(module, tile_rows=tile_rows, strict=True)  # for its lifetime
+        except (TypeError, RuntimeError, ValueError) as exc:
+            raise UnsupportedModel(
+                f"cannot serve {name} with the invariant numerics: {_one_line(exc)}"
+            ) from exc
+    from oldlogit_service.checkpoints import layout_of
+
     max_positions = next((int(config[k]) for k in _MAX_POSITION_KEYS if k in config), None)
     if max_positions is None:
         logger.warning("config has no max positions; assuming %d", _FALLBACK_MAX_POSITIONS)
@@ -422,13 +508,25 @@ def model_from_config(
         vocab_size=int(head_weight.shape[0]),
         max_positions=max_positions,
         num_parameters=sum(p.numel() for p in params.values()),
-        nbytes=sum(p.numel() * p.element_size() for p in params.values()),
+        nbytes=sum(t.numel() * t.element_size() for t in state.values()),
         aliases=aliases,
-        buffer_names=frozenset(n for n, _ in module.named_buffers()),
+        buffer_names=ignored,
+        layout=layout_of(module, specs, aliases, ignored),
         attn_implementation=getattr(getattr(module, "config", None), "_attn_implementation", None),
         profile=numerics,
         tile_rows=tile_rows if numerics == "invariant" else None,
     )
+
+
+def _architecture_name(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    arch = str(archs[0]) if archs else "?"
+    return f"{arch} (model_type {config.get('model_type', '?')!r})"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def load_model(
@@ -443,8 +541,13 @@ def load_model(
     """The skeleton for an HF-format directory's config.json (weights are not read here)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: --model needs an HF-format directory")
-    config = json.loads(config_path.read_text())
+        raise UnsupportedModel(f"{config_path} not found: --model needs an HF-format directory")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"{config_path} is not readable JSON: {_one_line(exc)}") from exc
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"{config_path} does not hold a JSON object")
     loaded = model_from_config(
         config, dtype=dtype, device=device, backend=backend, numerics=numerics, tile_rows=tile_rows
     )
@@ -458,109 +561,6 @@ def load_model(
         loaded.profile,
     )
     return loaded
-
-
-# ------------------------------------------------------------------------------------- weights
-
-
-def _mismatch(message: str, tensor: str | None = None) -> WeightsMismatch:
-    return WeightsMismatch(
-        message, parameter="weights", details={"tensor": tensor} if tensor else None
-    )
-
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    if a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.stride() == b.stride():
-        return True  # a state_dict's tied entries share storage
-    return bool(torch.equal(a, b.to(a.dtype)))
-
-
-def canonicalize_weights(
-    model: LoadedModel, tensors: Mapping[str, Tensor], *, cast: bool = True
-) -> dict[str, Tensor]:
-    """Map a checkpoint's tensors onto the canonical names, checked against ``param_specs``.
-
-    A tied duplicate (``lm_head.weight`` when tied) is dropped, or renamed when it is the only
-    copy; saved buffers (old checkpoints' ``rotary_emb.inv_freq``) are ignored. Missing or
-    unexpected names and wrong shapes raise ``WeightsMismatch`` naming the tensor. With ``cast``
-    tensors are cast to the parameter's dtype, else a dtype difference is refused too. The
-    result is contiguous, on the tensors' own device, in ``param_specs`` order.
-    """
-    found = {n: t for n, t in tensors.items() if n in model.param_specs}
-    for name, tensor in tensors.items():
-        if name in model.param_specs:
-            continue
-        if name in model.aliases:
-            canonical = model.aliases[name]
-            if canonical not in found:
-                found[canonical] = tensor
-            elif not _same_values(found[canonical], tensor):
-                raise _mismatch(
-                    f"tensor {name!r} is tied to {canonical!r} in this model but differs from it",
-                    name,
-                )
-        elif name in model.buffer_names:
-            logger.debug("ignoring saved buffer %s", name)
-        else:
-            raise _mismatch(f"unexpected tensor {name!r}: the model has no such parameter", name)
-    missing = [n for n in model.param_specs if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise _mismatch(f"missing tensor {missing[0]!r}{more}", missing[0])
-    out: dict[str, Tensor] = {}
-    for name, (st_dtype, shape) in model.param_specs.items():
-        tensor = found[name]
-        if tuple(tensor.shape) != shape:
-            raise _mismatch(
-                f"tensor {name!r} has shape {list(tensor.shape)}, the model expects {list(shape)}",
-                name,
-            )
-        want = next(d for d, s in _SAFETENSORS_NAMES.items() if s == st_dtype)
-        if tensor.dtype != want:
-            if not cast:
-                raise _mismatch(
-                    f"tensor {name!r} has dtype {dtype_name(tensor.dtype)}, "
-                    f"the model serves {dtype_name(want)}",
-                    name,
-                )
-            tensor = tensor.to(want)
-        out[name] = tensor.contiguous()
-    return out
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
-def load_weights(model_dir: str | Path, model: LoadedModel) -> dict[str, Tensor] | None:
-    """The directory's safetensors weights (one file or sharded), canonical and cast to the
-    serving dtype, on CPU; None when the directory holds no safetensors weights."""
-    model_dir = Path(model_dir)
-    files = _weight_files(model_dir)
-    if not files:
-        if any(model_dir.glob("*.bin")):
-            logger.warning("%s holds only .bin weights; oldlogit reads safetensors", model_dir)
-        return None
-    tensors: dict[str, Tensor] = {}
-    for path in files:
-        if not path.is_file():
-            raise _mismatch(f"weight file {path.name} listed in the index is missing")
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in tensors:
-                    raise _mismatch(f"tensor {name!r} appears in more than one shard", name)
-                tensors[name] = f.get_tensor(name)
-    logger.info("read %d tensors from %d file(s) in %s", len(tensors), len(files), model_dir)
-    return canonicalize_weights(model, tensors, cast=True)
 
 
 # ----------------------------------------------------------------------------------- tiny model
@@ -643,3 +643,6 @@ def make_tiny_model_dir(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
+
+
+from oldlogit_service.checkpoints import canonicalize_weights, load_weights  # noqa: E402

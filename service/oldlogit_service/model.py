@@ -51,6 +51,7 @@ __all__ = [
     "params_on_meta",
     "resolve_device",
     "safetensors_dtype_name",
+    "weight_layout_info",
 ]
 
 ParamSpec = tuple[str, tuple[int, ...]]  # (safetensors dtype string, shape)
@@ -516,6 +517,23 @@ def model_from_config(
         profile=numerics,
         tile_rows=tile_rows if numerics == "invariant" else None,
     )
+
+
+def weight_layout_info(layout: WeightLayout) -> dict[str, Any]:
+    """The ``Info`` fields that describe ``layout`` (``oldlogit.types.Info.weight_layout``)."""
+    from oldlogit.types import SourceInfo, TensorInfo
+
+    return {
+        "weight_specs": {
+            n: TensorInfo(dtype=dt, shape=list(shape)) for n, (dt, shape) in layout.specs.items()
+        },
+        "tied_weights": dict(layout.tied),
+        "weight_sources": {
+            n: SourceInfo(templates=list(src.templates), count=src.count)
+            for n, src in layout.sources.items()
+        },
+        "ignored_weights": sorted(layout.ignored),
+    }
 
 
 def _architecture_name(config: Mapping[str, Any]) -> str:

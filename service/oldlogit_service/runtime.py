@@ -48,7 +48,7 @@ from oldlogit_service.engine import Engine, Job, SamplingParams
 from oldlogit_service.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics
-from oldlogit_service.model import LoadedModel
+from oldlogit_service.model import LoadedModel, weight_layout_info
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
 from oldlogit_service.snapshots import SnapshotStore
 from oldlogit_service.snapshots.core import check_version
@@ -526,4 +526,5 @@ class Runtime:
             threads=self.numerics_spec.threads,
             lm_head_fp32=self.numerics_spec.lm_head_fp32,
             attention=self.numerics_spec.attention,
+            **weight_layout_info(m.layout),
         )

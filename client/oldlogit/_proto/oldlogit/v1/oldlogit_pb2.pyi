@@ -793,6 +793,68 @@ class Info(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class WeightSpecsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TensorInfo: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TensorInfo | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class TiedWeightsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class WeightSourcesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___SourceInfo: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___SourceInfo | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_TYPE_FIELD_NUMBER: _builtins.int
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -812,6 +874,10 @@ class Info(_message.Message):
     THREADS_FIELD_NUMBER: _builtins.int
     LM_HEAD_FP32_FIELD_NUMBER: _builtins.int
     ATTENTION_FIELD_NUMBER: _builtins.int
+    WEIGHT_SPECS_FIELD_NUMBER: _builtins.int
+    TIED_WEIGHTS_FIELD_NUMBER: _builtins.int
+    WEIGHT_SOURCES_FIELD_NUMBER: _builtins.int
+    IGNORED_WEIGHTS_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -856,6 +922,24 @@ class Info(_message.Message):
     def versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Retained versions, ascending (packed)."""
 
+    @_builtins.property
+    def weight_specs(self) -> _containers.MessageMap[_builtins.str, Global___TensorInfo]:
+        """A version's weights by canonical name (parameters without tied duplicates, and the
+        persistent buffers the forward reads): safetensors dtype and shape of each.
+        """
+
+    @_builtins.property
+    def tied_weights(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The model's tie table: a name a state dict also holds → the canonical weight it is tied to."""
+
+    @_builtins.property
+    def weight_sources(self) -> _containers.MessageMap[_builtins.str, Global___SourceInfo]:
+        """Canonical weights a hub checkpoint holds under other names (one tensor per expert, renames)."""
+
+    @_builtins.property
+    def ignored_weights(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Buffers a checkpoint may hold that are not weights (computed from the config): ignored."""
+
     def __init__(
         self,
         *,
@@ -878,10 +962,14 @@ class Info(_message.Message):
         threads: _builtins.int = ...,
         lm_head_fp32: _builtins.bool = ...,
         attention: _builtins.str = ...,
+        weight_specs: _abc.Mapping[_builtins.str, Global___TensorInfo] | None = ...,
+        tied_weights: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        weight_sources: _abc.Mapping[_builtins.str, Global___SourceInfo] | None = ...,
+        ignored_weights: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "server_version", b"server_version", "threads", b"threads", "tile_rows", b"tile_rows", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015
@@ -897,6 +985,64 @@ class Info(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__watermark) -> _WhichOneofReturnType__watermark | None: ...
 
 Global___Info: _TypeAlias = Info  # noqa: Y015
+
+@_typing.final
+class TensorInfo(_message.Message):
+    """One weight tensor of the model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    dtype: _builtins.str
+    """Safetensors dtype name, e.g. "BF16", "F32"."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's shape."""
+
+    def __init__(
+        self,
+        *,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorInfo: _TypeAlias = TensorInfo  # noqa: Y015
+
+@_typing.final
+class SourceInfo(_message.Message):
+    """Where a hub checkpoint keeps a canonical weight: its rows are those of the tensors named by
+    each template with "{expert}" replaced by e, for e in [0, count), templates in order per e.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATES_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """Number of experts (1: the templates are plain names, e.g. a rename)."""
+    @_builtins.property
+    def templates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tensor name templates; "{expert}" stands for the expert index."""
+
+    def __init__(
+        self,
+        *,
+        templates: _abc.Iterable[_builtins.str] | None = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "templates", b"templates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SourceInfo: _TypeAlias = SourceInfo  # noqa: Y015
 
 @_typing.final
 class ListReplicasRequest(_message.Message):

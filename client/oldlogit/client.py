@@ -27,7 +27,15 @@ from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
 from oldlogit._transport import Transport, check_url, open_transport
 from oldlogit.convert import PublishHeader
-from oldlogit.errors import InvalidRequest, ParentMissing, UnknownLease, WeightsMismatch
+from oldlogit.errors import (
+    Forbidden,
+    InvalidRequest,
+    OldLogitError,
+    ParentMissing,
+    Unauthorized,
+    UnknownLease,
+    WeightsMismatch,
+)
 from oldlogit.types import (
     Info,
     LeaseInfo,
@@ -41,6 +49,7 @@ from oldlogit.types import (
 
 if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
     from oldlogit._publish import SafetensorsStream, WeightsCopy
+    from oldlogit.layout import WeightLayout
 
 __all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
 
@@ -106,6 +115,7 @@ class AsyncClient:
         self._transports: dict[str, Transport] = {}
         # The weights of the last publish(..., delta=True): the next delta's parent.
         self._last_published: WeightsCopy | None = None
+        self._layout: WeightLayout | None = None  # the model's weight layout, from info()
 
     @property
     def urls(self) -> list[str]:
@@ -263,9 +273,19 @@ class AsyncClient:
         by_path: bool = False,
         progress: bool = False,
         fallback_full: bool = False,
+        cast: bool = False,
     ) -> PublishResult:
         """Publish a version's weights: a ``{name: tensor}`` state dict, or a safetensors file
         or shard directory (uploaded; with ``by_path=True`` the service reads the path itself).
+
+        A trainer's own ``model.state_dict()`` is accepted as it is: names are mapped onto the
+        model's canonical weights with the service's weight layout (``Info.weight_layout``,
+        fetched once): tied duplicates dropped by the model's tie table, wrapper prefixes
+        (``_orig_mod.``, ``module.``, FSDP's) stripped, per-expert checkpoint tensors joined
+        into the fused ones; the weight hash is over the canonical names. ``cast=True`` casts
+        floating tensors (fp32 masters, say) to the serving dtype, one tensor at a time;
+        without it another dtype is refused, naming the tensor. DTensors of a one-rank mesh
+        are gathered; sharded ones need ``oldlogit.integrations.publish_sharded``.
 
         ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``) for uploads;
         the service verifies it. By path, the client never reads the files: without ``sha256``
@@ -295,8 +315,9 @@ class AsyncClient:
                 timeout_s=self._publish_timeout_s,
                 key=policy_version,
             )
+        layout = await self._layout_or_none()
         if delta:
-            new = await asyncio.to_thread(WeightsCopy.read, weights)
+            new = await asyncio.to_thread(WeightsCopy.read, weights, layout, cast=cast)
             parent = self._last_published
             if sha256 is not None and sha256.lower() != new.sha256:
                 raise WeightsMismatch(
@@ -326,12 +347,38 @@ class AsyncClient:
             self._last_published = new.published(policy_version)
             return res
         if isinstance(weights, Mapping):
-            stream = SafetensorsStream.from_state_dict(weights)
+            stream = SafetensorsStream.from_state_dict(weights, layout, cast=cast)
         else:
-            stream = await asyncio.to_thread(SafetensorsStream.from_path, Path(weights))
+            stream = await asyncio.to_thread(
+                SafetensorsStream.from_path, Path(weights), layout, cast=cast
+            )
         if sha256 is None:
-            sha256 = await asyncio.to_thread(stream.sha256)
+            from oldlogit._publish import progress_bar
+
+            bar = progress_bar(progress, stream.data_bytes, f"hash v{policy_version}")
+            try:
+                sha256 = await asyncio.to_thread(stream.sha256, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
         return await self._upload(policy_version, stream, sha256, progress)
+
+    async def weight_layout(self) -> WeightLayout:
+        """The model's weight layout (``Info.weight_layout``), fetched once per client."""
+        if self._layout is None:
+            self._layout = (await self.info()).weight_layout()
+        return self._layout
+
+    async def _layout_or_none(self) -> WeightLayout | None:
+        """The layout for a publish; None when ``info`` fails for any reason but auth (the
+        upload then goes under the names given, and the service checks them)."""
+        try:
+            return await self.weight_layout()
+        except (Unauthorized, Forbidden):
+            raise
+        except OldLogitError as exc:
+            logger.warning("publish: no weight layout from the service (%s); names as given", exc)
+            return None
 
     async def _upload(
         self,
@@ -499,6 +546,7 @@ class Client:
     replicas = _sync(AsyncClient.replicas)
     discover = _sync(AsyncClient.discover)
     publish = _sync(AsyncClient.publish)
+    weight_layout = _sync(AsyncClient.weight_layout)
     create_lease = _sync(AsyncClient.create_lease)
     release_lease = _sync(AsyncClient.release_lease)
 

@@ -121,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
         help="diff against the last weights this client published (a one-shot command has "
         "none: it sends everything, and the service stores a patch anyway)",
     )
+    pub.add_argument(
+        "--cast",
+        action="store_true",
+        help="cast floating tensors (e.g. a float32 checkpoint) to the serving dtype",
+    )
     pub.add_argument("--token", default=None, help="write token (or OLDLOGIT_WRITE_TOKEN)")
     pub.add_argument("--no-progress", action="store_true")
     bench = sub.add_parser("bench", help="run the benchmark suite")
@@ -225,6 +230,7 @@ def _publish(args: argparse.Namespace) -> int:
                     args.weights,
                     delta=args.delta,
                     progress=not args.no_progress,
+                    cast=args.cast,
                 )
     except OldLogitError as exc:
         where = f" ({exc.parameter})" if exc.parameter else ""

@@ -538,13 +538,13 @@ def weight_layout_info(layout: WeightLayout) -> dict[str, Any]:
 
 def _architecture_name(config: Mapping[str, Any]) -> str:
     archs = config.get("architectures") or []
-    arch = str(archs[0]) if archs else "?"
-    return f"{arch} (model_type {config.get('model_type', '?')!r})"
+    kind = f"model_type {config.get('model_type', '?')!r}"
+    return f"{archs[0]} ({kind})" if archs else kind
 
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def load_model(

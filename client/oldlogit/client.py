@@ -49,6 +49,7 @@ from oldlogit.types import (
 
 if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
     from oldlogit._publish import SafetensorsStream, WeightsCopy
+    from oldlogit.integrations.padded import PaddedLogprobs
     from oldlogit.layout import WeightLayout
 
 __all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
@@ -226,6 +227,66 @@ class AsyncClient:
         return await self._call(
             op, timeout_s="client" if timeout_s is None else timeout_s, key=_routing_key(req)
         )
+
+    async def logprobs_padded(
+        self,
+        input_ids: Any,
+        attention_mask: Any = None,
+        *,
+        response_mask: Any = None,
+        score_from: Any = None,
+        policy_version: int | None = None,
+        versions: Any = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        timeout_s: float | None = None,
+        sequences_per_request: int = 256,
+    ) -> PaddedLogprobs:
+        """Logprobs of a padded ``[B, T]`` batch, aligned with it (TRL's and verl's layout).
+
+        ``attention_mask`` marks each row's one run of real tokens (left or right padding);
+        ``response_mask`` [B, T] or ``score_from`` (a column, or one per row) says which tokens
+        to score; ``policy_version`` (one for all) or ``versions`` ([B] per row, [B, T] per
+        token, −1 = not scored) says at which version. Returns ``PaddedLogprobs(logprobs, mask)``:
+        [B, T] float32 and its mask, 0 where unscored (padding, prompts, a sequence's first
+        token), so masked losses stay finite; torch tensors (on the input's device) when
+        ``input_ids`` is one, else numpy. Requests of ``sequences_per_request`` sequences run
+        concurrently.
+        """
+        from oldlogit.integrations.padded import padded_requests, place_results
+
+        seqs, placed, shape = padded_requests(
+            input_ids,
+            attention_mask,
+            response_mask=response_mask,
+            score_from=score_from,
+            policy_version=policy_version,
+            versions=versions,
+        )
+        if sequences_per_request < 1:
+            raise InvalidRequest(
+                "sequences_per_request must be >= 1", parameter="sequences_per_request"
+            )
+        chunks = [
+            seqs[i : i + sequences_per_request] for i in range(0, len(seqs), sequences_per_request)
+        ]
+        answers = await asyncio.gather(
+            *(
+                self.logprobs_batch(
+                    chunk,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    use_cache=use_cache,
+                    timeout_s=timeout_s,
+                )
+                for chunk in chunks
+            )
+        )
+        results = [r for answer in answers for r in answer]
+        return place_results(results, placed, shape, input_ids)
 
     # ------------------------------------------------------------------ versions
 
@@ -538,6 +599,7 @@ class Client:
 
     logprobs = _sync(AsyncClient.logprobs)
     logprobs_batch = _sync(AsyncClient.logprobs_batch)
+    logprobs_padded = _sync(AsyncClient.logprobs_padded)
     versions = _sync(AsyncClient.versions)
     version = _sync(AsyncClient.version)
     delete_version = _sync(AsyncClient.delete_version)

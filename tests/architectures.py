@@ -184,3 +184,18 @@ def model_dir(path: Path, arch: str, *, seed: int = 0, fused: bool = False) -> P
         state.pop("lm_head.weight", None)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer over a tiny model's vocabulary ("w0" … "w{V-4}", then unk, pad
+    and eos): no hub, no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 3)}
+    vocab.update({"<unk>": vocab_size - 3, "<pad>": vocab_size - 2, "<eos>": vocab_size - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )

@@ -27,24 +27,11 @@ from oldlogit.integrations.trl import OldLogitGRPOTrainer
 from oldlogit.parity import patch_numerics
 from oldlogit_service.config import Settings
 from oldlogit_service.server import ServerThread
+from tests.architectures import word_tokenizer
 from tests.integration.conftest import WRITE_TOKEN
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-
-
-def _tokenizer(vocab_size: int) -> Any:
-    """A word-level tokenizer over the tiny model's vocabulary (no hub, no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size - 3)}
-    vocab.update({"<unk>": vocab_size - 3, "<pad>": vocab_size - 2, "<eos>": vocab_size - 1})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
-    )
 
 
 class ServicePiOldGRPO(OldLogitGRPOTrainer):
@@ -117,7 +104,7 @@ def _run(server: Any, model_dir: Path, tmp_path: Path, steps_per_generation: int
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     vocab = model.config.vocab_size
-    tokenizer = _tokenizer(vocab)
+    tokenizer = word_tokenizer(vocab)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     rng = np.random.default_rng(0)

@@ -1,9 +1,9 @@
 """TRL: a ``GRPOTrainer`` whose π_old comes from an oldlogit service.
 
 In: TRL's ``GRPOTrainer`` arguments plus ``oldlogit=Client(...)``. While it trains:
-- every optimizer step's weights are published as version ``global_step`` (a delta against
-  the previous step; version 0 is the starting weights), so the weights each batch of samples
-  is generated with are a version the service holds;
+- every optimizer step's weights are published as version ``first_version + global_step`` (a
+  delta against the previous step; ``first_version`` holds the starting weights), so the
+  weights each batch of samples is generated with are a version the service holds;
 - each generated batch's ``old_per_token_logps`` is the service's π_old at the version it was
   generated with (``Client.logprobs_padded`` on TRL's prompt + completion layout, at TRL's
   temperature) — also for the steps that reuse those samples after the weights moved on
@@ -39,16 +39,19 @@ class _PublishEachStep(TrainerCallback):
 class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
     """``trl.GRPOTrainer`` with π_old from the service; see the module docstring.
 
-    ``oldlogit``: the ``Client`` (a write token if the service needs one). ``patch``: run π_θ
-    under the service's numerics. ``cast``: publish floating weights in the serving dtype
-    (e.g. float32 masters to a bfloat16 service). ``watermark_lag``: after each generation,
-    tell the service it will never be asked below ``version - watermark_lag`` (None: never).
+    ``oldlogit``: the ``Client`` (a write token if the service needs one). ``first_version``:
+    the version of the starting weights (versions only grow: start past what the service
+    already holds). ``patch``: run π_θ under the service's numerics. ``cast``: publish
+    floating weights in the serving dtype (e.g. float32 masters to a bfloat16 service).
+    ``watermark_lag``: after each generation, tell the service it will never be asked below
+    ``version - watermark_lag`` (None: never).
     """
 
     def __init__(
         self,
         *args: Any,
         oldlogit: Any,
+        first_version: int = 0,
         patch: bool = True,
         cast: bool = False,
         watermark_lag: int | None = None,
@@ -56,6 +59,7 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
     ) -> None:
         super().__init__(*args, **kwargs)
         self.oldlogit = oldlogit
+        self.first_version = first_version
         self.oldlogit_cast = cast
         self.watermark_lag = watermark_lag
         self.numerics = (
@@ -67,8 +71,8 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
         self.publish_weights()
 
     def publish_weights(self) -> None:
-        """Publish the current weights as version ``global_step`` (once per version)."""
-        version = int(self.state.global_step)
+        """Publish the current weights as version ``first_version + global_step`` (once)."""
+        version = self.first_version + int(self.state.global_step)
         if version <= self.published_version:
             return
         model = self.accelerator.unwrap_model(self.model)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, parity, serving, soak, throughput
+from benchmarks import delta_trace, models, parity, serving, soak, throughput
 from benchmarks.common import Figure, print_table, write_results
 
 FIGURES = {
@@ -17,13 +17,14 @@ FIGURES = {
     "delta": delta_trace,
     "parity": parity,
     "soak": soak,
+    "models": models,
 }
 DEFAULT = [
     "serving",
     "throughput",
     "delta",
     "parity",
-]  # the soak runs for minutes: ask for it by name
+]  # the soak and the real-size models run for minutes: ask for them by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     delta_trace.add_args(p)
     throughput.add_args(p)
     parity.add_args(p)
+    models.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup_s = 2.0
         delta_trace.smoke(args)
         parity.smoke(args)
+        models.smoke(args)
         args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -42,6 +42,7 @@ from oldlogit.types import (
     LogprobsResponse,
     PublishResult,
     Sampling,
+    SessionInfo,
     VersionInfo,
 )
 from oldlogit.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
@@ -81,6 +82,7 @@ _FLAT: dict[type[BaseModel], type[Message]] = {
     LeaseInfo: pb.LeaseInfo,
     Info: pb.Info,
     PublishResult: pb.PublishResult,
+    SessionInfo: pb.SessionInfo,
 }
 
 
@@ -111,6 +113,8 @@ def _fill(msg: Message, obj: BaseModel) -> None:
                     field[k] = v
         elif isinstance(value, list):
             getattr(msg, name).extend(value)
+        elif isinstance(value, BaseModel):  # a message field (SessionInfo.result)
+            _fill(getattr(msg, name), value)
         else:
             setattr(msg, name, value)
 
@@ -132,6 +136,8 @@ def _fields(msg: Message, cls: type[BaseModel]) -> dict[str, Any]:
                 value = dict(value)
         elif field.is_repeated:
             value = list(value)
+        elif field.message_type is not None:
+            value = _message_fields(value)
         out[name] = value
     return out
 

@@ -25,10 +25,12 @@ __all__ = [
     "LeaseInfo",
     "LogprobsRequest",
     "LogprobsResponse",
+    "OpenSession",
     "PublishResult",
     "Sampling",
     "Sequence",
     "SequenceResult",
+    "SessionInfo",
     "SourceInfo",
     "TensorInfo",
     "VersionInfo",
@@ -256,6 +258,34 @@ class LeaseInfo(_Model):
     holder: str
     ttl_s: float
     expires_at: float  # unix seconds
+
+
+class OpenSession(_Model):
+    """Opens a multi-rank publish session (README "Publishing from several ranks")."""
+
+    session_id: str
+    policy_version: int
+    members: int
+    delta: bool = False
+    parent: int | None = None
+    sha256: str | None = None  # the whole version's hash, if the caller knows it
+    ttl_s: float | None = None  # idle seconds before the session is aborted (default 600)
+
+
+class SessionInfo(_Model):
+    """A multi-rank publish session (README "Publishing from several ranks")."""
+
+    session_id: str
+    policy_version: int
+    members: int
+    delta: bool = False
+    parent: int | None = None
+    state: str = "open"  # "open" | "published" | "failed" | "aborted"
+    committed: list[int] = Field(default_factory=list)  # ranks whose part is committed
+    parts: dict[int, str] = Field(default_factory=dict)  # rank → the service's part hash
+    result: PublishResult | None = None  # the version, once published
+    error: str = ""  # why it failed or was aborted
+    expires_in_s: float = 0.0  # idle time left before it is aborted
 
 
 class TensorInfo(_Model):

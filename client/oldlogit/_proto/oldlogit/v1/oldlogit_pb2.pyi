@@ -1124,3 +1124,281 @@ class ListReplicasResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListReplicasResponse: _TypeAlias = ListReplicasResponse  # noqa: Y015
+
+@_typing.final
+class OpenSessionRequest(_message.Message):
+    """Opens a multi-rank publish session (README "Publishing from several ranks")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """Chosen by the opener: 8-64 characters of A-Z a-z 0-9 _ -."""
+    policy_version: _builtins.int
+    """The version the session publishes."""
+    members: _builtins.int
+    """Number of ranks; each sends one part."""
+    delta: _builtins.bool
+    """True when the parts hold deltas against `parent`."""
+    parent: _builtins.int
+    """The version the deltas apply to (delta sessions only)."""
+    sha256: _builtins.str
+    """The whole version's expected sha256 (hex), if the caller knows it; empty: none."""
+    ttl_s: _builtins.float
+    """Idle seconds before the session is aborted; unset: 600."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        members: _builtins.int = ...,
+        delta: _builtins.bool = ...,
+        parent: _builtins.int | None = ...,
+        sha256: _builtins.str = ...,
+        ttl_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_ttl_s", b"_ttl_s", "parent", b"parent", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_ttl_s", b"_ttl_s", "delta", b"delta", "members", b"members", "parent", b"parent", "policy_version", b"policy_version", "session_id", b"session_id", "sha256", b"sha256", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
+    _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    _WhichOneofReturnType__ttl_s: _TypeAlias = _typing.Literal["ttl_s"]  # noqa: Y015
+    _WhichOneofArgType__ttl_s: _TypeAlias = _typing.Literal["_ttl_s", b"_ttl_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttl_s) -> _WhichOneofReturnType__ttl_s | None: ...
+
+Global___OpenSessionRequest: _TypeAlias = OpenSessionRequest  # noqa: Y015
+
+@_typing.final
+class PartHeader(_message.Message):
+    """Which session and rank a part belongs to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    rank: _builtins.int
+    """The rank sending the part, in [0, members)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartHeader: _TypeAlias = PartHeader  # noqa: Y015
+
+@_typing.final
+class PartChunk(_message.Message):
+    """One message of a PublishPart stream: the header first, then data chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The next bytes of the part's safetensors file."""
+    @_builtins.property
+    def header(self) -> Global___PartHeader:
+        """The first message only."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PartHeader | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "data"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___PartChunk: _TypeAlias = PartChunk  # noqa: Y015
+
+@_typing.final
+class CommitPartRequest(_message.Message):
+    """Commits a staged part."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    rank: _builtins.int
+    """The rank whose part is committed."""
+    sha256: _builtins.str
+    """The rank's own hash of its part (the weight-hash format over its tensors)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "session_id", b"session_id", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitPartRequest: _TypeAlias = CommitPartRequest  # noqa: Y015
+
+@_typing.final
+class GetSessionRequest(_message.Message):
+    """Names a session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSessionRequest: _TypeAlias = GetSessionRequest  # noqa: Y015
+
+@_typing.final
+class AbortSessionRequest(_message.Message):
+    """Names the session to abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortSessionRequest: _TypeAlias = AbortSessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionInfo(_message.Message):
+    """A publish session's state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PartsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session's id."""
+    policy_version: _builtins.int
+    """The version it publishes."""
+    members: _builtins.int
+    """Number of ranks."""
+    delta: _builtins.bool
+    """True for a delta session."""
+    parent: _builtins.int
+    """The deltas' parent version."""
+    state: _builtins.str
+    """"open", "published", "failed" or "aborted"."""
+    error: _builtins.str
+    """Why the session failed or was aborted."""
+    expires_in_s: _builtins.float
+    """Idle seconds left before it is aborted."""
+    @_builtins.property
+    def committed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ranks whose part is committed, ascending."""
+
+    @_builtins.property
+    def parts(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """The service's hash of each staged or committed part, by rank."""
+
+    @_builtins.property
+    def result(self) -> Global___PublishResult:
+        """The published version, once published."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        members: _builtins.int = ...,
+        delta: _builtins.bool = ...,
+        parent: _builtins.int | None = ...,
+        state: _builtins.str = ...,
+        committed: _abc.Iterable[_builtins.int] | None = ...,
+        parts: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
+        result: Global___PublishResult | None = ...,
+        error: _builtins.str = ...,
+        expires_in_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_result", b"_result", "parent", b"parent", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_result", b"_result", "committed", b"committed", "delta", b"delta", "error", b"error", "expires_in_s", b"expires_in_s", "members", b"members", "parent", b"parent", "parts", b"parts", "policy_version", b"policy_version", "result", b"result", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
+    _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    _WhichOneofReturnType__result: _TypeAlias = _typing.Literal["result"]  # noqa: Y015
+    _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
+
+Global___SessionInfo: _TypeAlias = SessionInfo  # noqa: Y015

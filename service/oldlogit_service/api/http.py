@@ -32,6 +32,7 @@ from oldlogit.errors import (
 )
 from oldlogit.types import MAX_VERSION, Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
 from oldlogit_service import __version__
+from oldlogit_service.api.sessions_http import session_routes
 from oldlogit_service.api.status_page import render_status_page
 from oldlogit_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from oldlogit_service.runtime import Runtime
@@ -313,4 +314,5 @@ def create_app(rt: Runtime) -> FastAPI:
     async def status_page() -> HTMLResponse:
         return HTMLResponse(await asyncio.to_thread(render_status_page, rt))
 
+    app.include_router(session_routes(rt, auth))  # multi-rank publish sessions
     return app

@@ -32,6 +32,7 @@ from oldlogit.errors import (
     OldLogitError,
     Overloaded,
 )
+from oldlogit_service.api.sessions_grpc import SESSION_WRITE_METHODS, SessionsServicerMixin
 from oldlogit_service.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ _WRITE_METHODS = {
     "SetWatermark",
     "CreateLease",
     "DeleteLease",
+    *SESSION_WRITE_METHODS,
 }
 
 
@@ -173,7 +175,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return handler
 
 
-class OldLogitServicer(pb_grpc.OldLogitServicer):
+class OldLogitServicer(SessionsServicerMixin, pb_grpc.OldLogitServicer):
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
         self._max_upload = int(rt.settings.max_upload_gib * 1024**3)

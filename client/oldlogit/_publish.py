@@ -123,10 +123,12 @@ class SafetensorsStream:
         layout: WeightLayout | None = None,
         *,
         cast: bool = False,
+        partial: bool = False,
     ) -> SafetensorsStream:
         """A ``{name: torch tensor | numpy array}``; torch is never imported unless given.
-        With ``layout``, under the canonical names (``oldlogit._sources``)."""
-        return cls(state_dict_sources(weights, layout, cast=cast))
+        With ``layout``, under the canonical names (``oldlogit._sources``); ``partial``: one
+        rank's share."""
+        return cls(state_dict_sources(weights, layout, cast=cast, partial=partial))
 
     @classmethod
     def from_path(
@@ -166,12 +168,13 @@ class WeightsCopy:
         layout: WeightLayout | None = None,
         *,
         cast: bool = False,
+        partial: bool = False,
     ) -> WeightsCopy:
         """Copy a state dict (torch tensors on any device, numpy arrays) or a safetensors
         file/shard directory into CPU memory under the canonical names, and hash it.
-        ``policy_version`` is -1 until ``published`` sets it."""
+        ``policy_version`` is -1 until ``published`` sets it; ``partial``: one rank's share."""
         if isinstance(weights, Mapping):
-            stream = SafetensorsStream.from_state_dict(weights, layout, cast=cast)
+            stream = SafetensorsStream.from_state_dict(weights, layout, cast=cast, partial=partial)
         else:
             stream = SafetensorsStream.from_path(weights, layout, cast=cast)
         out: dict[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]] = {}
@@ -211,8 +214,11 @@ class WeightsCopy:
         ]
         return SafetensorsStream(tensors, lambda _bar: self.sha256)
 
-    def delta_stream(self, parent: WeightsCopy) -> SafetensorsStream:
-        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit._delta``."""
+    def delta_stream(
+        self, parent: WeightsCopy, metadata: Mapping[str, str] | None = None
+    ) -> SafetensorsStream:
+        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit._delta``.
+        ``metadata`` replaces the header's (a session part's: ``format`` and ``owned``)."""
         tensors: list[TensorSource] = []
         for name, (dt, _, bits) in self.tensors.items():
             pos = diff_positions(parent.tensors[name][2], bits)
@@ -227,7 +233,7 @@ class WeightsCopy:
             "parent_sha256": parent.sha256,
             "sha256": self.sha256,
         }
-        return SafetensorsStream(tensors, lambda _bar: self.sha256, metadata=meta)
+        return SafetensorsStream(tensors, lambda _bar: self.sha256, metadata=metadata or meta)
 
 
 def progress_bar(enabled: bool, total: int, desc: str) -> Any:

@@ -117,9 +117,16 @@ def _check(
 
 
 def state_dict_sources(
-    weights: Mapping[str, Any], layout: WeightLayout | None = None, *, cast: bool = False
+    weights: Mapping[str, Any],
+    layout: WeightLayout | None = None,
+    *,
+    cast: bool = False,
+    partial: bool = False,
 ) -> list[TensorSource]:
-    """A state dict's tensors as canonical ``TensorSource``s (see the module docstring)."""
+    """A state dict's tensors as canonical ``TensorSource``s (see the module docstring).
+    ``partial``: one rank's share of the weights (an empty share is allowed)."""
+    if partial and isinstance(weights, Mapping) and not weights:
+        return []
     if not isinstance(weights, Mapping) or not weights:
         raise InvalidRequest(
             "weights must be a non-empty {name: tensor} mapping", parameter="weights"
@@ -136,7 +143,7 @@ def state_dict_sources(
                 parameter="cast",
             )
         return [_single(name, name, weights[name], None) for name in weights]
-    assembly = layout.assemble(weights)
+    assembly = layout.assemble(weights, partial=partial)
     out = []
     for canonical, parts in assembly.parts.items():
         tensors = [weights[p] for p in parts]

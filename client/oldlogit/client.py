@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from oldlogit import wire
 from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
+from oldlogit._sessions import SessionsMixin
 from oldlogit._transport import Transport, check_url, open_transport
 from oldlogit.convert import PublishHeader
 from oldlogit.errors import (
@@ -76,7 +77,7 @@ def _routing_key(req: LogprobsRequest) -> int | None:
     return None
 
 
-class AsyncClient:
+class AsyncClient(SessionsMixin):
     """Talks to one oldlogit deployment (a URL, or a list of replica URLs).
 
     ``timeout_s`` bounds each call, retries included, and is sent to the server as the request's
@@ -135,15 +136,17 @@ class AsyncClient:
         *,
         timeout_s: float | Literal["client"] | None = "client",
         key: int | None = None,
+        retry: bool = True,
     ) -> T:
         """Every operation goes through here: replica choice, retries, the deadline.
 
         ``timeout_s`` is the whole call's budget ("client": the client's ``timeout_s``; None: none).
+        ``retry=False``: one round over the replicas (a stream that cannot be replayed).
         """
         return await call_with_retries(
             lambda url, remaining: op(self._transport(url), remaining),
             self._replicas,
-            self._policy,
+            self._policy if retry else RetryPolicy(retries=0),
             timeout_s=self._timeout_s if timeout_s == "client" else timeout_s,
             key=key,
         )
@@ -609,6 +612,12 @@ class Client:
     discover = _sync(AsyncClient.discover)
     publish = _sync(AsyncClient.publish)
     weight_layout = _sync(AsyncClient.weight_layout)
+    open_session = _sync(AsyncClient.open_session)
+    upload_part = _sync(AsyncClient.upload_part)
+    commit_part = _sync(AsyncClient.commit_part)
+    session = _sync(AsyncClient.session)
+    abort_session = _sync(AsyncClient.abort_session)
+    publish_part = _sync(AsyncClient.publish_part)
     create_lease = _sync(AsyncClient.create_lease)
     release_lease = _sync(AsyncClient.release_lease)
 

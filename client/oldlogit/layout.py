@@ -152,8 +152,14 @@ class WeightLayout:
                 details={"tensor": canonical},
             )
 
-    def assemble(self, names: Iterable[str], *, parameter: str = "weights") -> Assembly:
-        """Map input names onto the canonical tensors; refuse anything else, naming it."""
+    def assemble(
+        self, names: Iterable[str], *, parameter: str = "weights", partial: bool = False
+    ) -> Assembly:
+        """Map input names onto the canonical tensors; refuse anything else, naming it.
+
+        ``partial``: the names are one rank's share of the weights (a publish session's part),
+        so canonical tensors may be missing; a per-expert tensor must still be whole.
+        """
         given = list(names)
         index = self._source_index() if self.sources else {}
         canonical_of: dict[str, tuple[str, int]] = {}  # input name → (canonical, part index)
@@ -220,14 +226,14 @@ class WeightLayout:
                 )
             parts[canonical] = tuple(found[i] for i in range(len(wanted)))
         missing = [n for n in self.specs if n not in parts]
-        if missing:
+        if missing and not partial:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightsMismatch(
                 f"the weights lack tensor {missing[0]!r}{more}",
                 parameter=parameter,
                 details={"tensor": missing[0]},
             )
-        return Assembly({n: parts[n] for n in self.specs}, dropped)
+        return Assembly({n: parts[n] for n in self.specs if n in parts}, dropped)
 
     def _known(self, name: str, index: Mapping[str, tuple[str, int]]) -> bool:
         return name in self.specs or name in self.tied or name in index or name in self.ignored

@@ -99,7 +99,7 @@ def _materialize(x: Any, cast_to: str | None) -> Any:
     return np.asarray(x).astype(numpy_dtype(cast_to))
 
 
-def _check(
+def check_dtype(
     layout: WeightLayout, canonical: str, dtype: str, cast: bool, parameter: str
 ) -> str | None:
     """The dtype to cast to (None: none), or ``WeightsMismatch`` naming the tensor."""
@@ -155,7 +155,7 @@ def state_dict_sources(
                 details={"tensor": canonical},
             )
         layout.check_parts(canonical, [_shape(t) for t in tensors], "weights")
-        cast_to = _check(layout, canonical, dtypes.pop(), cast, "weights")
+        cast_to = check_dtype(layout, canonical, dtypes.pop(), cast, "weights")
         if len(tensors) == 1:
             out.append(_single(canonical, parts[0], tensors[0], cast_to, layout))
         else:
@@ -220,7 +220,7 @@ def file_sources(
                 details={"tensor": canonical},
             )
         layout.check_parts(canonical, [e.shape for _, e in entries], "weights")
-        cast_to = _check(layout, canonical, dtypes.pop(), cast, "weights")
+        cast_to = check_dtype(layout, canonical, dtypes.pop(), cast, "weights")
         dtype = cast_to or entries[0][1].dtype
         shape = layout.specs[canonical][1]
         nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]

@@ -144,3 +144,25 @@ def test_a_per_expert_hub_checkpoint_uploads_as_it_is(tmp_path):
             assert res.weight_sha256 == c.version(2).weight_sha256
     finally:
         server.stop()
+
+
+def test_a_one_rank_fsdp2_state_dict_publishes_gathered(tied, tmp_path):
+    """FSDP2 on a one-rank mesh: the DTensors are gathered tensor by tensor by Client.publish."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    server, hub = tied
+    trainer = hf_model("gemma", seed=12, dtype=torch.bfloat16)
+    plain = {k: v.clone() for k, v in trainer.state_dict().items()}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        fully_shard(trainer, mesh=init_device_mesh("cpu", (1,)))
+        state = trainer.state_dict()
+        assert all(type(v).__name__ == "DTensor" for v in state.values())
+        with Client(server.grpc_url, token=WRITE_TOKEN) as c:
+            c.publish(40, state)
+            c.publish(41, state, delta=True)
+            _check(server, hub, c, 41, plain)
+    finally:
+        dist.destroy_process_group()

@@ -4,7 +4,8 @@
 - ``OldLogitGRPOTrainer`` (``trl``): TRL's GRPOTrainer publishing every optimizer step and
   taking π_old of its samples from the service at the version they were generated with;
 - ``compute_old_log_prob`` (``verl``): verl's ``compute_log_prob`` shape over a verl batch;
-- ``publish_sharded`` (``distributed``): FSDP2/DTensor weights published from every rank.
+- ``publish_sharded`` / ``ShardedPublisher`` (``distributed``): one version published from every
+  rank of a ``torch.distributed`` group (FSDP2/DTensor state dicts or per-rank shares).
 Importing this package imports no framework (nor torch); each name imports its own when used.
 """
 
@@ -13,16 +14,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .distributed import ShardedPublisher, publish_sharded
     from .padded import PaddedLogprobs
     from .trl import OldLogitGRPOTrainer
     from .verl import compute_old_log_prob
 
-__all__ = ["OldLogitGRPOTrainer", "PaddedLogprobs", "compute_old_log_prob"]
+__all__ = [
+    "OldLogitGRPOTrainer",
+    "PaddedLogprobs",
+    "ShardedPublisher",
+    "compute_old_log_prob",
+    "publish_sharded",
+]
 
 _LAZY = {
     "PaddedLogprobs": "padded",
     "OldLogitGRPOTrainer": "trl",
     "compute_old_log_prob": "verl",
+    "ShardedPublisher": "distributed",
+    "publish_sharded": "distributed",
 }
 
 

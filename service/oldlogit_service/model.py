@@ -13,24 +13,24 @@ these names is ``checkpoints``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import re
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from oldlogit.layout import WeightLayout
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
+from oldlogit_service.backends import (
+    CallableBackend,
+    ModelBackend,
+    TransformersBackend,
+    params_on_meta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,229 +116,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if resolved.index is None:  # tensors report cuda:N; compare like with like
             resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-# ----------------------------------------------------------------------------------- skeleton
-
-_META_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device; buffers stay real.
-
-    Buffers must stay real because some are computed at construction and never loaded (HF
-    rotary ``inv_freq``). Patches ``nn.Module.register_parameter`` process-wide while active,
-    so a lock serialises builders; build nothing else concurrently in other threads.
-    """
-    original = nn.Module.register_parameter
-
-    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    with _META_LOCK:
-        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-@runtime_checkable
-class ModelBackend(Protocol):
-    """How to build a skeleton and run it with a weights dict; plug in non-transformers models.
-
-    Weights are keyed by the canonical names, ``dict(module.named_parameters())`` keys (tied
-    parameters appear once). Implementations must be pure functions of their inputs.
-    """
-
-    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        """The skeleton: parameters on meta (use ``params_on_meta``), real buffers, eval mode."""
-        ...
-
-    def hidden_states(
-        self,
-        module: nn.Module,
-        weights: Mapping[str, Tensor],
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-    ) -> Tensor:
-        """input_ids [B, T] int64, attention_mask [B, T] or None → final normed hidden [B, T, H]."""
-        ...
-
-    def head(
-        self, module: nn.Module, weights: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        """The lm_head's weight [V, H] and bias [V] (or None), taken from ``weights``."""
-        ...
-
-
-def _auto_causal_lm() -> Any:
-    # Imported lazily (transformers is slow to import) and typed Any: its from_config is untyped.
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM
-
-
-@dataclass(frozen=True)
-class _HFLayout:
-    decoder: nn.Module
-    decoder_prefix: str  # "model." for Qwen2ForCausalLM
-    head_weight: str
-    head_bias: str | None
-
-
-class TransformersBackend:
-    """HF causal LMs (``AutoModelForCausalLM``): decoder via ``get_decoder()``, head via
-    ``get_output_embeddings()``; tied embeddings resolve to the embedding's canonical name."""
-
-    def __init__(self, attn_implementation: str | None = None) -> None:
-        self.attn_implementation = attn_implementation
-        self._layouts: weakref.WeakKeyDictionary[nn.Module, _HFLayout] = weakref.WeakKeyDictionary()
-
-    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        from transformers import AutoConfig
-
-        fields = {
-            k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")
-        }
-        if "model_type" not in config:
-            raise ValueError("config.json has no 'model_type': not an HF-format model directory")
-        hf_config = AutoConfig.for_model(config["model_type"], **fields)
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if self.attn_implementation is not None:
-            kwargs["attn_implementation"] = self.attn_implementation
-        with params_on_meta():
-            module: nn.Module = _auto_causal_lm().from_config(hf_config, **kwargs)
-        # Tying is what makes lm_head.weight *the same* meta Parameter as the embedding, so the
-        # canonical names (and functional_call) see one tensor.
-        module.tie_weights()  # type: ignore[operator]
-        _keep_in_fp32(module, dtype)
-        module.eval()
-        return module
-
-    def _layout(self, module: nn.Module) -> _HFLayout:
-        layout = self._layouts.get(module)
-        if layout is None:
-            get_decoder = getattr(module, "get_decoder", None)
-            decoder = get_decoder() if callable(get_decoder) else getattr(module, "model", None)
-            if not isinstance(decoder, nn.Module):
-                raise TypeError(f"{type(module).__name__} has no decoder (get_decoder/model)")
-            prefix = next((n for n, m in module.named_modules() if m is decoder), None)
-            if prefix is None:
-                raise TypeError(f"the decoder of {type(module).__name__} is not a submodule")
-            head = module.get_output_embeddings()  # type: ignore[operator]
-            if not isinstance(head, nn.Module):
-                raise TypeError(f"{type(module).__name__} has no output embeddings (lm_head)")
-            names = {id(p): n for n, p in module.named_parameters()}  # first name of tied params
-            bias = getattr(head, "bias", None)
-            layout = _HFLayout(
-                decoder=decoder,
-                decoder_prefix=f"{prefix}." if prefix else "",
-                head_weight=names[id(head.weight)],
-                head_bias=names[id(bias)] if isinstance(bias, nn.Parameter) else None,
-            )
-            self._layouts[module] = layout
-        return layout
-
-    def hidden_states(
-        self,
-        module: nn.Module,
-        weights: Mapping[str, Tensor],
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-    ) -> Tensor:
-        layout = self._layout(module)
-        cut = len(layout.decoder_prefix)
-        decoder_weights = {
-            name[cut:]: tensor
-            for name, tensor in weights.items()
-            if name.startswith(layout.decoder_prefix)
-        }
-        out = functional_call(
-            layout.decoder,
-            decoder_weights,
-            args=(),
-            kwargs={"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
-        )
-        hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return hidden  # [B, T, H]
-
-    def head(
-        self, module: nn.Module, weights: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        layout = self._layout(module)
-        bias = weights[layout.head_bias] if layout.head_bias is not None else None
-        return weights[layout.head_weight], bias
-
-
-def _keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
-    """The tensors ``from_pretrained(dtype=...)`` keeps in float32 (a model's
-    ``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek-V3's routing bias), float32 here too:
-    a trainer's state dict holds them so, and they are part of the numerics."""
-    get_plan = getattr(module, "_get_dtype_plan", None)
-    plan: dict[str, torch.dtype] = get_plan(dtype) if callable(get_plan) else {}
-    if not plan:
-        return
-    patterns = [re.compile(re.escape(k).replace(r"\*", r"[^.]+")) for k in plan]
-    for sub_name, sub in module.named_modules():
-        for store in (sub._parameters, sub._buffers):
-            for name, tensor in list(store.items()):
-                full = f"{sub_name}.{name}" if sub_name else name
-                if tensor is None or not any(p.search(full) for p in patterns):
-                    continue
-                if tensor.is_floating_point() and tensor.dtype != torch.float32:
-                    if isinstance(tensor, nn.Parameter):
-                        store[name] = nn.Parameter(
-                            tensor.detach().to(torch.float32), requires_grad=tensor.requires_grad
-                        )
-                    else:
-                        store[name] = tensor.to(torch.float32)
-
-
-class CallableBackend:
-    """A backend around ``build_fn(config, dtype) -> nn.Module`` for non-transformers models.
-
-    The module's ``forward(input_ids [B, T] int64, attention_mask [B, T] | None)`` must return
-    the final normed hidden states [B, T, H] (not logits), be causal, and treat padded positions
-    (mask 0, right padding) as absent. Its parameters ``head_weight`` [V, H] (and ``head_bias``
-    [V]) are the lm_head; the backend builds the module under ``params_on_meta``.
-    """
-
-    def __init__(
-        self,
-        build_fn: Callable[[dict[str, Any], torch.dtype], nn.Module],
-        *,
-        head_weight: str = "lm_head.weight",
-        head_bias: str | None = None,
-    ) -> None:
-        self.build_fn = build_fn
-        self.head_weight = head_weight
-        self.head_bias = head_bias
-
-    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        with params_on_meta():
-            module = self.build_fn(config, dtype)
-        module.eval()
-        return module
-
-    def hidden_states(
-        self,
-        module: nn.Module,
-        weights: Mapping[str, Tensor],
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-    ) -> Tensor:
-        hidden: Tensor = functional_call(module, dict(weights), (input_ids, attention_mask))
-        return hidden  # [B, T, H]
-
-    def head(
-        self, module: nn.Module, weights: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        bias = weights[self.head_bias] if self.head_bias is not None else None
-        return weights[self.head_weight], bias
 
 
 # -------------------------------------------------------------------------------- loaded model
@@ -581,86 +358,5 @@ def load_model(
     return loaded
 
 
-# ----------------------------------------------------------------------------------- tiny model
-
-
-def make_tiny_model_dir(
-    path: str | Path,
-    *,
-    arch: str = "qwen2",
-    seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_positions: int = 2048,
-    tie_word_embeddings: bool = False,
-    dtype: str = "float32",
-    shards: int = 1,
-    initializer_range: float = 0.2,
-) -> Path:
-    """Write a seeded random causal LM (config.json + safetensors) to ``path``; offline.
-
-    ``initializer_range`` 0.2 (HF uses 0.02) gives peaked, non-trivial distributions, and the
-    constant-initialised parameters (norm weights, biases) get noise too, so every parameter
-    moves the logits. ``shards > 1`` writes HF-style shards with a
-    ``model.safetensors.index.json``. Does not disturb the global RNG.
-    """
-    from transformers import LlamaConfig, Qwen2Config
-
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_positions,
-        "tie_word_embeddings": tie_word_embeddings,
-        "initializer_range": initializer_range,
-    }
-    if arch == "qwen2":
-        config: Any = Qwen2Config(**common)
-        config.architectures = ["Qwen2ForCausalLM"]
-    elif arch == "llama":
-        config = LlamaConfig(**common)
-        config.architectures = ["LlamaForCausalLM"]
-    else:
-        raise ValueError(f"unknown tiny architecture {arch!r}: use 'qwen2' or 'llama'")
-    torch_dtype = dtype_from_name(dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        hf_model = _auto_causal_lm().from_config(config, dtype=torch.float32)
-        params = dict(hf_model.named_parameters())  # canonical: a tied head appears once
-        tensors: dict[str, Tensor] = {}
-        for name, param in params.items():
-            value = param.detach().float()
-            if value.numel() > 1 and bool((value == value.flatten()[0]).all()):
-                value = value + 0.1 * torch.randn_like(value)  # norms = 1, biases = 0
-            tensors[name] = value.to(torch_dtype).contiguous()
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    config.dtype = torch_dtype  # the dtype the weights are saved in, as HF records it
-    config.save_pretrained(out)  # config.json
-    names = list(tensors)
-    shards = max(1, min(shards, len(names)))
-    if shards == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
-    weight_map: dict[str, str] = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        lo, hi = i * len(names) // shards, (i + 1) * len(names) // shards
-        part = {n: tensors[n] for n in names[lo:hi]}
-        save_file(part, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return out
-
-
 from oldlogit_service.checkpoints import canonicalize_weights, load_weights  # noqa: E402
+from oldlogit_service.tiny import make_tiny_model_dir  # noqa: E402

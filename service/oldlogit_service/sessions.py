@@ -10,12 +10,10 @@ publish. The protocol is README "Publishing from several ranks". No HTTP, gRPC o
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 import shutil
-import struct
 import threading
 import time
 import uuid
@@ -25,9 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from oldlogit._delta import FORMAT, IDX, VAL, bits_view, decode_positions, split_name
 from oldlogit.errors import (
     Conflict,
     InvalidRequest,
@@ -37,15 +32,7 @@ from oldlogit.errors import (
     WeightsMismatch,
 )
 from oldlogit.types import PublishResult, SessionInfo
-from oldlogit.weights import (
-    DTYPE_ITEMSIZE,
-    SafetensorsHeader,
-    WeightHasher,
-    read_entry_chunks,
-    read_safetensors_header,
-    safetensors_sha256,
-    tensor_raw_bytes,
-)
+from oldlogit_service.session_parts import check_part, merge_delta
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +163,7 @@ class Sessions:
         s = self._live(session_id)
         self._check_rank(s, rank)
         try:
-            names, sha = self._check_part(s, path)
+            names, sha = check_part(path, self._specs, self._store, s.parent if s.delta else None)
         except OldLogitError:
             path.unlink(missing_ok=True)
             raise
@@ -297,85 +284,6 @@ class Sessions:
             finally:
                 s.lock.release()
 
-    def _check_part(self, s: _Session, path: Path) -> tuple[frozenset[str], str]:
-        """The names a part owns and its hash; refuses what cannot be a part of this model."""
-        header = read_safetensors_header(path)
-        if not s.delta:
-            for name, e in header.tensors.items():
-                self._check_tensor(name, e.dtype, e.shape)
-            return frozenset(header.tensors), safetensors_sha256(path)
-        if header.metadata.get("format") != FORMAT:
-            raise InvalidRequest(f"a delta part must say format {FORMAT!r}", parameter="body")
-        try:
-            owned = json.loads(header.metadata.get("owned", ""))
-            assert isinstance(owned, list) and all(isinstance(n, str) for n in owned)
-        except (ValueError, AssertionError) as exc:
-            raise InvalidRequest(
-                "a delta part lists its tensors in __metadata__['owned'] (a JSON list)",
-                parameter="body",
-            ) from exc
-        for name in header.tensors:
-            split = split_name(name)
-            if split is None or split[0] not in owned:
-                raise WeightsMismatch(
-                    f"the delta part's tensor {name!r} is not NAME::val/NAME::idx of a tensor "
-                    "it owns",
-                    parameter="weights",
-                    details={"tensor": name},
-                )
-        for name in owned:
-            dt, shape = self._specs.get(name, ("", ()))
-            self._check_tensor(name, dt, shape)
-        return frozenset(owned), self._delta_part_hash(s, header, sorted(owned))
-
-    def _check_tensor(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
-        spec = self._specs.get(name)
-        if spec is None:
-            raise WeightsMismatch(
-                f"the part holds tensor {name!r}, which the model does not have",
-                parameter="weights",
-                details={"tensor": name},
-            )
-        if (dtype, tuple(shape)) != (spec[0], tuple(spec[1])):
-            raise WeightsMismatch(
-                f"the part's tensor {name!r} is {dtype} {list(shape)}, the model serves "
-                f"{spec[0]} {list(spec[1])}",
-                parameter="weights",
-                details={"tensor": name},
-            )
-
-    def _delta_part_hash(self, s: _Session, header: SafetensorsHeader, owned: list[str]) -> str:
-        """The weight hash of the rank's tensors rebuilt on the parent: what the rank holds."""
-        assert s.parent is not None
-        hasher = WeightHasher()
-        with open(header.path, "rb") as f, self._store.acquire(s.parent) as base:
-
-            def raw(key: str) -> bytes:
-                return b"".join(read_entry_chunks(f, header, header.tensors[key]))
-
-            for name in owned:
-                dt, shape = self._specs[name]
-                numel = math.prod(shape)
-                parent_raw = np.frombuffer(tensor_raw_bytes(base[name]), np.uint8).copy()
-                bits = bits_view(parent_raw, DTYPE_ITEMSIZE[dt])  # the rank's tensor, rebuilt
-                if name + VAL in header.tensors:
-                    values = bits_view(np.frombuffer(raw(name + VAL), np.uint8), bits.itemsize)
-                    if name + IDX in header.tensors:
-                        coded = np.frombuffer(raw(name + IDX), np.uint8)
-                        pos = decode_positions(coded, values.size, numel, name)
-                        bits[pos] = values
-                    elif values.size == numel:
-                        bits[:] = values
-                    else:
-                        raise WeightsMismatch(
-                            f"the delta part's {name!r} has {values.size} values for {numel}",
-                            parameter="weights",
-                            details={"tensor": name},
-                        )
-                hasher.begin(name, dt, shape)
-                hasher.update(bits.view(np.uint8).data)
-        return hasher.hexdigest()
-
     def _finish(self, s: _Session) -> None:
         """All parts committed: check coverage and publish through the store."""
         owned = frozenset().union(*(p.names for p in s.parts.values()))
@@ -390,7 +298,8 @@ class Sessions:
                 )
             if s.delta:
                 assert s.parent is not None
-                merged = _merge_delta(s, self._store.sha256(s.parent))
+                paths = [p.path for p in s.parts.values()]
+                merged = merge_delta(paths, s.directory, s.parent, self._store.sha256(s.parent))
                 out = self._store.publish_delta(
                     s.policy_version, merged, parent=s.parent, expected_sha256=s.sha256
                 )
@@ -426,34 +335,6 @@ class Sessions:
             error=s.error,
             expires_in_s=max(0.0, s.ttl_s - (self._clock() - s.touched)),
         )
-
-
-def _merge_delta(s: _Session, parent_sha256: str) -> Path:
-    """One delta file of every part's entries (disjoint by the commit checks)."""
-    entries: list[tuple[str, str, list[int], Path, SafetensorsHeader]] = []
-    for part in s.parts.values():
-        header = read_safetensors_header(part.path)
-        for name, e in header.tensors.items():
-            entries.append((name, e.dtype, list(e.shape), part.path, header))
-    entries.sort()
-    table: dict[str, Any] = {
-        "__metadata__": {"format": FORMAT, "parent": str(s.parent), "parent_sha256": parent_sha256}
-    }
-    offset = 0
-    for name, dtype, shape, _, header in entries:
-        n = header.tensors[name].nbytes
-        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(table, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    merged = s.directory / "merged.delta.safetensors"
-    with open(merged, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)) + raw)
-        for name, _, _, path, header in entries:
-            with open(path, "rb") as f:
-                for chunk in read_entry_chunks(f, header, header.tensors[name]):
-                    out.write(chunk)
-    return merged
 
 
 _BY_RUNTIME: weakref.WeakKeyDictionary[Any, Sessions] = weakref.WeakKeyDictionary()

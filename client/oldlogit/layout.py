@@ -139,11 +139,20 @@ class WeightLayout:
         return index
 
     def check_parts(self, canonical: str, shapes: list[tuple[int, ...]], parameter: str) -> None:
-        """Refuse source tensors whose rows cannot make up ``canonical`` (the element count, and
-        for a split tensor the trailing dimensions), naming it."""
-        shape = self.specs[canonical][1]
+        """Refuse source tensors that cannot make up ``canonical``, naming it: one tensor must
+        have its shape; split ones its element count and trailing dimensions."""
+        shape = tuple(self.specs[canonical][1])
+        if len(shapes) == 1:
+            if tuple(shapes[0]) != shape:
+                raise WeightsMismatch(
+                    f"the weights' tensor {canonical!r} has shape {list(shapes[0])}, the model "
+                    f"expects {list(shape)}",
+                    parameter=parameter,
+                    details={"tensor": canonical},
+                )
+            return
         total = sum(math.prod(s) for s in shapes)
-        tail = shape[2:] if len(shapes) > 1 and len(shape) >= 3 else None
+        tail = shape[2:] if len(shape) >= 3 else None
         if total != math.prod(shape) or (tail is not None and any(s[1:] != tail for s in shapes)):
             raise WeightsMismatch(
                 f"the weights' parts of {canonical!r} have shapes {[list(s) for s in shapes[:3]]}"

@@ -75,6 +75,9 @@ def test_per_expert_tensors_are_joined_in_row_order_and_renames_apply():
     LAYOUT.check_parts(GATE_UP.name, [(4, 4)] * 6, "weights")
     with pytest.raises(WeightsMismatch, match="do not make up"):
         LAYOUT.check_parts(GATE_UP.name, [(4, 5)] * 6, "weights")
+    # One tensor needs its exact shape: a transposed matrix has the right size, not the shape.
+    with pytest.raises(WeightsMismatch, match=r"shape \[4, 10\]"):
+        LAYOUT.check_parts("model.embed_tokens.weight", [(4, 10)], "weights")
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "canonical_file",
     "canonicalize_weights",
     "derive_sources",
     "layout_of",
@@ -204,3 +206,26 @@ def layout_of(
         sources=derive_sources(module, specs),
         ignored=ignored,
     )
+
+
+def canonical_file(path: Path, layout: WeightLayout, staging: Path) -> Path | None:
+    """A safetensors file or shard directory under other names (a hub checkpoint's
+    per-expert tensors, tied duplicates, wrapper prefixes) rewritten under the canonical names
+    into ``staging`` — tensors streamed back to back, never loaded — or None when its names
+    are canonical already. Refuses what the layout cannot map, naming the tensor."""
+    from oldlogit._publish import SafetensorsStream
+    from oldlogit.weights import shard_headers
+
+    where, _ = shard_headers(path)
+    if set(where) == set(layout.specs):
+        return None
+    stream = SafetensorsStream.from_path(path, layout)
+    out = staging / f"canonical-{uuid.uuid4().hex}.safetensors.part"
+    try:
+        with open(out, "wb") as f:
+            for chunk in stream.chunks():
+                f.write(chunk)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out

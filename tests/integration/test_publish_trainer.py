@@ -166,3 +166,30 @@ def test_a_one_rank_fsdp2_state_dict_publishes_gathered(tied, tmp_path):
             _check(server, hub, c, 41, plain)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_hub_checkpoint_published_by_path_is_read_onto_canonical_names(tmp_path):
+    """Publish by path: the service reads a per-expert checkpoint itself and rewrites it."""
+    hub = model_dir(tmp_path / "model", "mixtral")
+    roots = tmp_path / "roots"
+    trainer = hf_model("mixtral", seed=6, dtype=torch.bfloat16)
+    trainer.save_pretrained(roots / "ckpt")  # block_sparse_moe.experts.N.w1 … in bf16
+    settings = Settings(
+        model=hub,
+        snapshot_dir=tmp_path / "snapshots",
+        http_port=0,
+        grpc_port=0,
+        dtype="bfloat16",
+        tile_rows=16,
+        write_token=WRITE_TOKEN,
+        publish_roots=[roots],
+    )
+    server = ServerThread(settings).start()
+    try:
+        with Client(server.http_url, token=WRITE_TOKEN) as c:
+            res = c.publish(3, str(roots / "ckpt"), by_path=True)
+            _check(server, hub, c, 3, trainer.state_dict())
+            assert res.weight_sha256 == c.version(3).weight_sha256
+            assert not any(server.runtime.store.staging_dir.iterdir())  # nothing left behind
+    finally:
+        server.stop()

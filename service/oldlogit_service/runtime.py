@@ -42,6 +42,7 @@ from oldlogit.types import (
 )
 from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCache
+from oldlogit_service.checkpoints import canonical_file
 from oldlogit_service.cluster import Cluster
 from oldlogit_service.config import Settings
 from oldlogit_service.engine import Engine, Job, SamplingParams
@@ -376,6 +377,15 @@ class Runtime:
             return await self.publish_delta_file(version, target, sha256=sha256, parent=parent)
         if parent is not None:
             raise InvalidRequest("parent applies to delta publishes only", parameter="parent")
+        # A hub checkpoint's layout (per-expert tensors, tied duplicates) → canonical names.
+        staged = await asyncio.to_thread(
+            canonical_file, target, self.model.layout, self.store.staging_dir
+        )
+        if staged is not None:
+            try:
+                return await self.publish_file(version, staged, sha256=sha256, move=True)
+            finally:
+                staged.unlink(missing_ok=True)
         return await self._publish(
             lambda: self.store.publish(version, target, expected_sha256=sha256)
         )

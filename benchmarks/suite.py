@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, parity, pipeline, serving, soak, throughput, tls
+from benchmarks import delta_trace, models, parity, pipeline, serving, soak, throughput, tls
 from benchmarks.common import Figure, print_table, write_results
 
 FIGURES = {
@@ -19,6 +19,7 @@ FIGURES = {
     "pipeline": pipeline,
     "soak": soak,
     "tls": tls,
+    "models": models,
 }
 DEFAULT = [
     "serving",
@@ -27,7 +28,7 @@ DEFAULT = [
     "parity",
     "pipeline",
     "tls",
-]  # the soak runs for minutes: ask for it by name
+]  # the soak and the real-size models run for minutes: ask for them by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parity.add_args(p)
     pipeline.add_args(p)
     tls.add_args(p)
+    models.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(FIGURES))
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         parity.smoke(args)
         pipeline.smoke(args)
         tls.smoke(args)
+        models.smoke(args)
         args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -1,7 +1,8 @@
 """Publish payloads: a state dict, a safetensors file or a shard directory as one stream.
 
-In: ``{name: tensor | ndarray}`` or a path; out: a ``SafetensorsStream`` that yields the bytes of
-one safetensors file in chunks (re-iterable, for retries), its size, and the weight sha256.
+In: ``{name: tensor | ndarray}`` or a path, and the service's ``WeightLayout`` when known; out:
+a ``SafetensorsStream`` that yields the bytes of one safetensors file under the canonical names
+(``oldlogit._sources``) in chunks (re-iterable, for retries), its size, and the weight sha256.
 Never builds the file in memory: tensors are read one at a time (off-CPU tensors copied one at a
 time), shards are read in chunks and merged by rewriting only the header. Delta publishing
 keeps a ``WeightsCopy`` of the last published weights (CPU, raw bits) and streams only the
@@ -25,20 +26,9 @@ import numpy as np
 import numpy.typing as npt
 
 from oldlogit._delta import FORMAT, IDX, VAL, bits_view, diff_positions, encode_positions
-from oldlogit.errors import InvalidRequest
-from oldlogit.weights import (
-    DTYPE_ITEMSIZE,
-    SafetensorsHeader,
-    TensorEntry,
-    WeightHasher,
-    dtype_name,
-    read_entry_chunks,
-    read_safetensors_header,
-    safetensors_files,
-    safetensors_sha256,
-    tensor_raw_bytes,
-    weight_sha256,
-)
+from oldlogit._sources import TensorSource, file_sources, hash_sources, state_dict_sources
+from oldlogit.layout import WeightLayout
+from oldlogit.weights import DTYPE_ITEMSIZE, WeightHasher
 
 __all__ = [
     "CHUNK_BYTES",
@@ -52,18 +42,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 1024 * 1024
-
-# Reads one tensor's bytes given the open shard files (unused for in-memory tensors).
-_Reader = Callable[[Mapping[Path, BinaryIO]], Iterable[bytes | memoryview]]
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    read: _Reader
 
 
 def coalesce(pieces: Iterable[bytes | memoryview], size: int) -> Iterator[bytes]:
@@ -94,8 +72,8 @@ class SafetensorsStream:
 
     def __init__(
         self,
-        tensors: list[_Tensor],
-        hasher: Callable[[], str],
+        tensors: list[TensorSource],
+        hasher: Callable[[Any], str] | None = None,
         files: list[Path] | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> None:
@@ -114,13 +92,17 @@ class SafetensorsStream:
         raw += b" " * (-len(raw) % 8)  # the format pads the header so the data is 8-aligned
         self.header = struct.pack("<Q", len(raw)) + raw
         self.total_bytes = len(self.header) + offset
+        self.data_bytes = offset
         self._tensors = tensors
         self._hasher = hasher
         self._files = files or []
 
-    def sha256(self) -> str:
-        """The weight hash (``oldlogit.weights.weight_sha256``): reads every tensor once."""
-        return self._hasher()
+    def sha256(self, bar: Any = None) -> str:
+        """The weight hash (``oldlogit.weights.weight_sha256``) of the tensors as streamed:
+        reads every tensor once (``bar``: a progress bar over the bytes read)."""
+        if self._hasher is not None:
+            return self._hasher(bar)
+        return hash_sources(self._tensors, self._files, bar)
 
     def chunks(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
         size = chunk_bytes or CHUNK_BYTES
@@ -135,62 +117,39 @@ class SafetensorsStream:
             yield from coalesce(pieces(), size)
 
     @classmethod
-    def from_state_dict(cls, weights: Mapping[str, Any]) -> SafetensorsStream:
-        """A ``{name: torch tensor | numpy array}``; torch is never imported unless given."""
-        if not isinstance(weights, Mapping) or not weights:
-            raise InvalidRequest(
-                "weights must be a non-empty {name: tensor} mapping", parameter="weights"
-            )
-        tensors = []
-        for name, x in weights.items():
-            if not isinstance(name, str) or not hasattr(x, "shape"):
-                raise InvalidRequest(
-                    f"weights[{name!r}] must be a tensor or array keyed by name",
-                    parameter="weights",
-                )
-            shape = tuple(int(d) for d in x.shape)
-            nbytes = int(x.nbytes) if hasattr(x, "nbytes") else int(x.numel() * x.element_size())
-
-            def read(_: Mapping[Path, BinaryIO], x: Any = x) -> list[memoryview]:
-                return [tensor_raw_bytes(x)]
-
-            tensors.append(_Tensor(name, dtype_name(x), shape, nbytes, read))
-        return cls(tensors, lambda: weight_sha256(weights))
+    def from_state_dict(
+        cls,
+        weights: Mapping[str, Any],
+        layout: WeightLayout | None = None,
+        *,
+        cast: bool = False,
+        partial: bool = False,
+    ) -> SafetensorsStream:
+        """A ``{name: torch tensor | numpy array}``; torch is never imported unless given.
+        With ``layout``, under the canonical names (``oldlogit._sources``); ``partial``: one
+        rank's share."""
+        return cls(state_dict_sources(weights, layout, cast=cast, partial=partial))
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str]) -> SafetensorsStream:
+    def from_path(
+        cls,
+        path: str | os.PathLike[str],
+        layout: WeightLayout | None = None,
+        *,
+        cast: bool = False,
+    ) -> SafetensorsStream:
         """A safetensors file, or a directory of shards merged into one file."""
-        files = safetensors_files(path)
-        owner: dict[str, SafetensorsHeader] = {}
-        tensors = []
-        for f in files:
-            header = read_safetensors_header(f)
-            for name, entry in header.tensors.items():
-                if name in owner:
-                    raise InvalidRequest(
-                        f"tensor {name!r} appears in both {owner[name].path.name} and {f.name}",
-                        parameter="weights",
-                    )
-                owner[name] = header
-
-                def read(
-                    handles: Mapping[Path, BinaryIO],
-                    h: SafetensorsHeader = header,
-                    e: TensorEntry = entry,
-                ) -> Iterator[bytes]:
-                    return read_entry_chunks(handles[h.path], h, e, CHUNK_BYTES)
-
-                tensors.append(_Tensor(name, entry.dtype, entry.shape, entry.nbytes, read))
-        return cls(tensors, lambda: safetensors_sha256(path), files)
+        sources, files = file_sources(path, layout, cast=cast)
+        return cls(sources, files=files)
 
 
-def _array_tensor(name: str, dtype: str, arr: npt.NDArray[Any]) -> _Tensor:
+def _array_tensor(name: str, dtype: str, arr: npt.NDArray[Any]) -> TensorSource:
     def read(_: Mapping[Path, BinaryIO], a: npt.NDArray[Any] = arr) -> list[memoryview]:
         if a.size == 0:  # a memoryview of an empty array cannot be cast to bytes
             return [memoryview(b"")]
         return [np.ascontiguousarray(a).reshape(-1).view(np.uint8).data]
 
-    return _Tensor(name, dtype, tuple(int(d) for d in arr.shape), int(arr.nbytes), read)
+    return TensorSource(name, dtype, tuple(int(d) for d in arr.shape), int(arr.nbytes), read)
 
 
 @dataclass(frozen=True)
@@ -203,40 +162,35 @@ class WeightsCopy:
     tensors: Mapping[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]]
 
     @classmethod
-    def read(cls, weights: Mapping[str, Any] | str | os.PathLike[str]) -> WeightsCopy:
+    def read(
+        cls,
+        weights: Mapping[str, Any] | str | os.PathLike[str],
+        layout: WeightLayout | None = None,
+        *,
+        cast: bool = False,
+        partial: bool = False,
+    ) -> WeightsCopy:
         """Copy a state dict (torch tensors on any device, numpy arrays) or a safetensors
-        file/shard directory into CPU memory, and hash it. ``policy_version`` is -1 until
-        ``published`` sets it."""
-        out: dict[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]] = {}
+        file/shard directory into CPU memory under the canonical names, and hash it.
+        ``policy_version`` is -1 until ``published`` sets it; ``partial``: one rank's share."""
         if isinstance(weights, Mapping):
-            if not weights:
-                raise InvalidRequest(
-                    "weights must be a non-empty {name: tensor} mapping", parameter="weights"
-                )
-            for name, x in weights.items():
-                if not isinstance(name, str) or not hasattr(x, "shape"):
-                    raise InvalidRequest(
-                        f"weights[{name!r}] must be a tensor or array keyed by name",
-                        parameter="weights",
-                    )
-                dt = dtype_name(x)
-                raw = np.frombuffer(tensor_raw_bytes(x), dtype=np.uint8).copy()
-                out[name] = (dt, tuple(int(d) for d in x.shape), bits_view(raw, DTYPE_ITEMSIZE[dt]))
+            stream = SafetensorsStream.from_state_dict(weights, layout, cast=cast, partial=partial)
         else:
-            stream = SafetensorsStream.from_path(weights)
-            handles = {p: open(p, "rb") for p in stream._files}  # noqa: SIM115 - closed below
-            try:
-                for t in stream._tensors:
-                    raw = np.empty(t.nbytes, dtype=np.uint8)
-                    pos = 0
-                    for chunk in t.read(handles):
-                        n = memoryview(chunk).nbytes
-                        raw[pos : pos + n] = np.frombuffer(chunk, dtype=np.uint8)
-                        pos += n
-                    out[t.name] = (t.dtype, t.shape, bits_view(raw, DTYPE_ITEMSIZE[t.dtype]))
-            finally:
-                for f in handles.values():
-                    f.close()
+            stream = SafetensorsStream.from_path(weights, layout, cast=cast)
+        out: dict[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]] = {}
+        handles = {p: open(p, "rb") for p in stream._files}  # noqa: SIM115 - closed below
+        try:
+            for t in stream._tensors:
+                raw = np.empty(t.nbytes, dtype=np.uint8)
+                pos = 0
+                for chunk in t.read(handles):
+                    n = memoryview(chunk).nbytes
+                    raw[pos : pos + n] = np.frombuffer(chunk, dtype=np.uint8)
+                    pos += n
+                out[t.name] = (t.dtype, t.shape, bits_view(raw, DTYPE_ITEMSIZE[t.dtype]))
+        finally:
+            for f in handles.values():
+                f.close()
         hasher = WeightHasher()
         for name in sorted(out):
             dt, shape, bits = out[name]
@@ -258,11 +212,14 @@ class WeightsCopy:
             _array_tensor(name, dt, bits.reshape(shape))
             for name, (dt, shape, bits) in self.tensors.items()
         ]
-        return SafetensorsStream(tensors, lambda: self.sha256)
+        return SafetensorsStream(tensors, lambda _bar: self.sha256)
 
-    def delta_stream(self, parent: WeightsCopy) -> SafetensorsStream:
-        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit._delta``."""
-        tensors: list[_Tensor] = []
+    def delta_stream(
+        self, parent: WeightsCopy, metadata: Mapping[str, str] | None = None
+    ) -> SafetensorsStream:
+        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit._delta``.
+        ``metadata`` replaces the header's (a session part's: ``format`` and ``owned``)."""
+        tensors: list[TensorSource] = []
         for name, (dt, _, bits) in self.tensors.items():
             pos = diff_positions(parent.tensors[name][2], bits)
             if pos.size == bits.size and bits.size:
@@ -276,7 +233,7 @@ class WeightsCopy:
             "parent_sha256": parent.sha256,
             "sha256": self.sha256,
         }
-        return SafetensorsStream(tensors, lambda: self.sha256, metadata=meta)
+        return SafetensorsStream(tensors, lambda _bar: self.sha256, metadata=metadata or meta)
 
 
 def progress_bar(enabled: bool, total: int, desc: str) -> Any:

@@ -20,7 +20,9 @@ from oldlogit.types import (
     LeaseInfo,
     LogprobsRequest,
     LogprobsResponse,
+    OpenSession,
     PublishResult,
+    SessionInfo,
     VersionInfo,
 )
 
@@ -65,6 +67,26 @@ class Transport(Protocol):
     async def info(self, timeout_s: float | None) -> Info: ...
 
     async def list_replicas(self, timeout_s: float | None) -> list[dict[str, Any]]: ...
+
+    # Multi-rank publish sessions (README "Publishing from several ranks").
+    async def open_session(self, request: OpenSession, timeout_s: float | None) -> SessionInfo: ...
+
+    async def upload_part(
+        self,
+        session_id: str,
+        rank: int,
+        chunks: AsyncIterator[bytes],
+        total_bytes: int,
+        timeout_s: float | None,
+    ) -> SessionInfo: ...
+
+    async def commit_part(
+        self, session_id: str, rank: int, sha256: str, timeout_s: float | None
+    ) -> SessionInfo: ...
+
+    async def get_session(self, session_id: str, timeout_s: float | None) -> SessionInfo: ...
+
+    async def abort_session(self, session_id: str, timeout_s: float | None) -> SessionInfo: ...
 
     async def aclose(self) -> None: ...
 

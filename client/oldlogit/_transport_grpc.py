@@ -27,7 +27,9 @@ from oldlogit.types import (
     LeaseInfo,
     LogprobsRequest,
     LogprobsResponse,
+    OpenSession,
     PublishResult,
+    SessionInfo,
     VersionInfo,
 )
 
@@ -191,6 +193,57 @@ class GrpcTransport:
             }
             for r in msg.replicas
         ]
+
+    async def open_session(self, request: OpenSession, timeout_s: float | None) -> SessionInfo:
+        req = pb.OpenSessionRequest(
+            session_id=request.session_id,
+            policy_version=request.policy_version,
+            members=request.members,
+            delta=request.delta,
+            sha256=request.sha256 or "",
+        )
+        if request.parent is not None:
+            req.parent = request.parent
+        if request.ttl_s is not None:
+            req.ttl_s = request.ttl_s
+        msg = await self._call(self._stub.OpenSession, req, timeout_s)
+        return convert.from_proto(msg, SessionInfo)
+
+    async def upload_part(
+        self,
+        session_id: str,
+        rank: int,
+        chunks: AsyncIterator[bytes],
+        total_bytes: int,
+        timeout_s: float | None,
+    ) -> SessionInfo:
+        async def messages() -> AsyncIterator[pb.PartChunk]:
+            yield pb.PartChunk(header=pb.PartHeader(session_id=session_id, rank=rank))
+            async for data in chunks:
+                for start in range(0, len(data), PUBLISH_CHUNK_BYTES):
+                    yield pb.PartChunk(data=data[start : start + PUBLISH_CHUNK_BYTES])
+
+        msg = await self._call(self._stub.PublishPart, messages(), timeout_s)
+        return convert.from_proto(msg, SessionInfo)
+
+    async def commit_part(
+        self, session_id: str, rank: int, sha256: str, timeout_s: float | None
+    ) -> SessionInfo:
+        req = pb.CommitPartRequest(session_id=session_id, rank=rank, sha256=sha256)
+        return convert.from_proto(
+            await self._call(self._stub.CommitPart, req, timeout_s), SessionInfo
+        )
+
+    async def get_session(self, session_id: str, timeout_s: float | None) -> SessionInfo:
+        req = pb.GetSessionRequest(session_id=session_id)
+        return convert.from_proto(
+            await self._call(self._stub.GetSession, req, timeout_s), SessionInfo
+        )
+
+    async def abort_session(self, session_id: str, timeout_s: float | None) -> SessionInfo:
+        req = pb.AbortSessionRequest(session_id=session_id)
+        msg = await self._call(self._stub.AbortSession, req, timeout_s)
+        return convert.from_proto(msg, SessionInfo)
 
     async def aclose(self) -> None:
         await self._channel.close()

@@ -27,7 +27,9 @@ from oldlogit.types import (
     LeaseInfo,
     LogprobsRequest,
     LogprobsResponse,
+    OpenSession,
     PublishResult,
+    SessionInfo,
     VersionInfo,
 )
 
@@ -213,6 +215,44 @@ class HttpTransport:
     async def list_replicas(self, timeout_s: float | None) -> list[dict[str, Any]]:
         body = await self._json("GET", "/v1/replicas", timeout_s)
         return list(body.get("replicas", []))
+
+    async def open_session(self, request: OpenSession, timeout_s: float | None) -> SessionInfo:
+        body = request.model_dump(exclude_none=True)
+        return await self._model(SessionInfo, "POST", "/v1/sessions", timeout_s, json=body)
+
+    async def upload_part(
+        self,
+        session_id: str,
+        rank: int,
+        chunks: AsyncIterator[bytes],
+        total_bytes: int,
+        timeout_s: float | None,
+    ) -> SessionInfo:
+        return await self._model(
+            SessionInfo,
+            "PUT",
+            f"/v1/sessions/{quote(session_id, safe='')}/parts/{rank}",
+            timeout_s,
+            content=chunks,
+            headers={
+                "content-type": "application/octet-stream",
+                "content-length": str(total_bytes),
+            },
+        )
+
+    async def commit_part(
+        self, session_id: str, rank: int, sha256: str, timeout_s: float | None
+    ) -> SessionInfo:
+        path = f"/v1/sessions/{quote(session_id, safe='')}/parts/{rank}/commit"
+        return await self._model(SessionInfo, "POST", path, timeout_s, json={"sha256": sha256})
+
+    async def get_session(self, session_id: str, timeout_s: float | None) -> SessionInfo:
+        path = f"/v1/sessions/{quote(session_id, safe='')}"
+        return await self._model(SessionInfo, "GET", path, timeout_s)
+
+    async def abort_session(self, session_id: str, timeout_s: float | None) -> SessionInfo:
+        path = f"/v1/sessions/{quote(session_id, safe='')}"
+        return await self._model(SessionInfo, "DELETE", path, timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -25,10 +25,20 @@ from pydantic import ValidationError
 from oldlogit import wire
 from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
+from oldlogit._sessions import SessionsMixin
 from oldlogit._tls import ClientTls
 from oldlogit._transport import TLS_SCHEMES, Transport, check_url, open_transport
 from oldlogit.convert import PublishHeader
-from oldlogit.errors import InvalidRequest, ParentMissing, UnknownLease, WeightsMismatch
+from oldlogit.errors import (
+    Forbidden,
+    InvalidRequest,
+    OldLogitError,
+    ParentMissing,
+    TlsError,
+    Unauthorized,
+    UnknownLease,
+    WeightsMismatch,
+)
 from oldlogit.types import (
     Info,
     LeaseInfo,
@@ -42,6 +52,8 @@ from oldlogit.types import (
 
 if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
     from oldlogit._publish import SafetensorsStream, WeightsCopy
+    from oldlogit.integrations.padded import PaddedLogprobs
+    from oldlogit.layout import WeightLayout
 
 __all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
 
@@ -67,7 +79,7 @@ def _routing_key(req: LogprobsRequest) -> int | None:
     return None
 
 
-class AsyncClient:
+class AsyncClient(SessionsMixin):
     """Talks to one oldlogit deployment (a URL, or a list of replica URLs).
 
     ``timeout_s`` bounds each call, retries included, and is sent to the server as the request's
@@ -120,6 +132,7 @@ class AsyncClient:
         self._transports: dict[str, Transport] = {}
         # The weights of the last publish(..., delta=True): the next delta's parent.
         self._last_published: WeightsCopy | None = None
+        self._layout: WeightLayout | None = None  # the model's weight layout, from info()
 
     @property
     def urls(self) -> list[str]:
@@ -140,15 +153,17 @@ class AsyncClient:
         *,
         timeout_s: float | Literal["client"] | None = "client",
         key: int | None = None,
+        retry: bool = True,
     ) -> T:
         """Every operation goes through here: replica choice, retries, the deadline.
 
         ``timeout_s`` is the whole call's budget ("client": the client's ``timeout_s``; None: none).
+        ``retry=False``: one round over the replicas (a stream that cannot be replayed).
         """
         return await call_with_retries(
             lambda url, remaining: op(self._transport(url), remaining),
             self._replicas,
-            self._policy,
+            self._policy if retry else RetryPolicy(retries=0),
             timeout_s=self._timeout_s if timeout_s == "client" else timeout_s,
             key=key,
         )
@@ -233,6 +248,66 @@ class AsyncClient:
             op, timeout_s="client" if timeout_s is None else timeout_s, key=_routing_key(req)
         )
 
+    async def logprobs_padded(
+        self,
+        input_ids: Any,
+        attention_mask: Any = None,
+        *,
+        response_mask: Any = None,
+        score_from: Any = None,
+        policy_version: int | None = None,
+        versions: Any = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        timeout_s: float | None = None,
+        sequences_per_request: int = 256,
+    ) -> PaddedLogprobs:
+        """Logprobs of a padded ``[B, T]`` batch, aligned with it (TRL's and verl's layout).
+
+        ``attention_mask`` marks each row's one run of real tokens (left or right padding);
+        ``response_mask`` [B, T] or ``score_from`` (a column, or one per row) says which tokens
+        to score; ``policy_version`` (one for all) or ``versions`` ([B] per row, [B, T] per
+        token, −1 = not scored) says at which version. Returns ``PaddedLogprobs(logprobs, mask)``:
+        [B, T] float32 and its mask, 0 where unscored (padding, prompts, a sequence's first
+        token), so masked losses stay finite; torch tensors (on the input's device) when
+        ``input_ids`` is one, else numpy. Requests of ``sequences_per_request`` sequences run
+        concurrently.
+        """
+        from oldlogit.integrations.padded import padded_requests, place_results
+
+        seqs, placed, shape = padded_requests(
+            input_ids,
+            attention_mask,
+            response_mask=response_mask,
+            score_from=score_from,
+            policy_version=policy_version,
+            versions=versions,
+        )
+        if sequences_per_request < 1:
+            raise InvalidRequest(
+                "sequences_per_request must be >= 1", parameter="sequences_per_request"
+            )
+        chunks = [
+            seqs[i : i + sequences_per_request] for i in range(0, len(seqs), sequences_per_request)
+        ]
+        answers = await asyncio.gather(
+            *(
+                self.logprobs_batch(
+                    chunk,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    use_cache=use_cache,
+                    timeout_s=timeout_s,
+                )
+                for chunk in chunks
+            )
+        )
+        results = [r for answer in answers for r in answer]
+        return place_results(results, placed, shape, input_ids)
+
     # ------------------------------------------------------------------ versions
 
     async def versions(self) -> list[VersionInfo]:
@@ -279,9 +354,19 @@ class AsyncClient:
         by_path: bool = False,
         progress: bool = False,
         fallback_full: bool = False,
+        cast: bool = False,
     ) -> PublishResult:
         """Publish a version's weights: a ``{name: tensor}`` state dict, or a safetensors file
         or shard directory (uploaded; with ``by_path=True`` the service reads the path itself).
+
+        A trainer's own ``model.state_dict()`` is accepted as it is: names are mapped onto the
+        model's canonical weights with the service's weight layout (``Info.weight_layout``,
+        fetched once): tied duplicates dropped by the model's tie table, wrapper prefixes
+        (``_orig_mod.``, ``module.``, FSDP's) stripped, per-expert checkpoint tensors joined
+        into the fused ones; the weight hash is over the canonical names. ``cast=True`` casts
+        floating tensors (fp32 masters, say) to the serving dtype, one tensor at a time;
+        without it another dtype is refused, naming the tensor. DTensors of a one-rank mesh
+        are gathered; sharded ones need ``oldlogit.integrations.publish_sharded``.
 
         ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``) for uploads;
         the service verifies it. By path, the client never reads the files: without ``sha256``
@@ -311,8 +396,9 @@ class AsyncClient:
                 timeout_s=self._publish_timeout_s,
                 key=policy_version,
             )
+        layout = await self._layout_or_none()
         if delta:
-            new = await asyncio.to_thread(WeightsCopy.read, weights)
+            new = await asyncio.to_thread(WeightsCopy.read, weights, layout, cast=cast)
             parent = self._last_published
             if sha256 is not None and sha256.lower() != new.sha256:
                 raise WeightsMismatch(
@@ -342,12 +428,38 @@ class AsyncClient:
             self._last_published = new.published(policy_version)
             return res
         if isinstance(weights, Mapping):
-            stream = SafetensorsStream.from_state_dict(weights)
+            stream = SafetensorsStream.from_state_dict(weights, layout, cast=cast)
         else:
-            stream = await asyncio.to_thread(SafetensorsStream.from_path, Path(weights))
+            stream = await asyncio.to_thread(
+                SafetensorsStream.from_path, Path(weights), layout, cast=cast
+            )
         if sha256 is None:
-            sha256 = await asyncio.to_thread(stream.sha256)
+            from oldlogit._publish import progress_bar
+
+            bar = progress_bar(progress, stream.data_bytes, f"hash v{policy_version}")
+            try:
+                sha256 = await asyncio.to_thread(stream.sha256, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
         return await self._upload(policy_version, stream, sha256, progress)
+
+    async def weight_layout(self) -> WeightLayout:
+        """The model's weight layout (``Info.weight_layout``), fetched once per client."""
+        if self._layout is None:
+            self._layout = (await self.info()).weight_layout()
+        return self._layout
+
+    async def _layout_or_none(self) -> WeightLayout | None:
+        """The layout for a publish; None when ``info`` fails for any reason but auth or TLS
+        (the upload then goes under the names given, and the service checks them)."""
+        try:
+            return await self.weight_layout()
+        except (Unauthorized, Forbidden, TlsError):
+            raise
+        except OldLogitError as exc:
+            logger.warning("publish: no weight layout from the service (%s); names as given", exc)
+            return None
 
     async def _upload(
         self,
@@ -513,6 +625,7 @@ class Client:
 
     logprobs = _sync(AsyncClient.logprobs)
     logprobs_batch = _sync(AsyncClient.logprobs_batch)
+    logprobs_padded = _sync(AsyncClient.logprobs_padded)
     versions = _sync(AsyncClient.versions)
     version = _sync(AsyncClient.version)
     delete_version = _sync(AsyncClient.delete_version)
@@ -521,6 +634,13 @@ class Client:
     replicas = _sync(AsyncClient.replicas)
     discover = _sync(AsyncClient.discover)
     publish = _sync(AsyncClient.publish)
+    weight_layout = _sync(AsyncClient.weight_layout)
+    open_session = _sync(AsyncClient.open_session)
+    upload_part = _sync(AsyncClient.upload_part)
+    commit_part = _sync(AsyncClient.commit_part)
+    session = _sync(AsyncClient.session)
+    abort_session = _sync(AsyncClient.abort_session)
+    publish_part = _sync(AsyncClient.publish_part)
     create_lease = _sync(AsyncClient.create_lease)
     release_lease = _sync(AsyncClient.release_lease)
 

@@ -42,6 +42,7 @@ from oldlogit.types import (
     LogprobsResponse,
     PublishResult,
     Sampling,
+    SessionInfo,
     VersionInfo,
 )
 from oldlogit.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
@@ -81,6 +82,7 @@ _FLAT: dict[type[BaseModel], type[Message]] = {
     LeaseInfo: pb.LeaseInfo,
     Info: pb.Info,
     PublishResult: pb.PublishResult,
+    SessionInfo: pb.SessionInfo,
 }
 
 
@@ -93,17 +95,28 @@ def to_proto(obj: BaseModel) -> Message:
     None leaves a proto3 ``optional`` field unset; lists extend repeated fields; dicts fill maps.
     """
     msg = _FLAT[type(obj)]()
+    _fill(msg, obj)
+    return msg
+
+
+def _fill(msg: Message, obj: BaseModel) -> None:
     for name in type(obj).model_fields:
         value = getattr(obj, name)
         if value is None:
             continue
         if isinstance(value, dict):
-            getattr(msg, name).update(value)
+            field = getattr(msg, name)
+            for k, v in value.items():
+                if isinstance(v, BaseModel):  # a map of messages (Info.weight_specs)
+                    _fill(field[k], v)
+                else:
+                    field[k] = v
         elif isinstance(value, list):
             getattr(msg, name).extend(value)
+        elif isinstance(value, BaseModel):  # a message field (SessionInfo.result)
+            _fill(getattr(msg, name), value)
         else:
             setattr(msg, name, value)
-    return msg
 
 
 def _fields(msg: Message, cls: type[BaseModel]) -> dict[str, Any]:
@@ -116,10 +129,24 @@ def _fields(msg: Message, cls: type[BaseModel]) -> dict[str, Any]:
             continue
         value = getattr(msg, name)
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value = dict(value)
+            entry = field.message_type.fields_by_name["value"]
+            if entry.message_type is not None:  # a map of messages: their fields by name
+                value = {k: _message_fields(v) for k, v in value.items()}
+            else:
+                value = dict(value)
         elif field.is_repeated:
             value = list(value)
+        elif field.message_type is not None:
+            value = _message_fields(value)
         out[name] = value
+    return out
+
+
+def _message_fields(msg: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        out[field.name] = list(value) if field.is_repeated else value
     return out
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
+from oldlogit.layout import WeightLayout, WeightSource
 from oldlogit.parity._spec import NumericsSpec
 
 __all__ = [
@@ -24,10 +25,14 @@ __all__ = [
     "LeaseInfo",
     "LogprobsRequest",
     "LogprobsResponse",
+    "OpenSession",
     "PublishResult",
     "Sampling",
     "Sequence",
     "SequenceResult",
+    "SessionInfo",
+    "SourceInfo",
+    "TensorInfo",
     "VersionInfo",
     "scored_mask",
 ]
@@ -255,6 +260,48 @@ class LeaseInfo(_Model):
     expires_at: float  # unix seconds
 
 
+class OpenSession(_Model):
+    """Opens a multi-rank publish session (README "Publishing from several ranks")."""
+
+    session_id: str
+    policy_version: int
+    members: int
+    delta: bool = False
+    parent: int | None = None
+    sha256: str | None = None  # the whole version's hash, if the caller knows it
+    ttl_s: float | None = None  # idle seconds before the session is aborted (default 600)
+
+
+class SessionInfo(_Model):
+    """A multi-rank publish session (README "Publishing from several ranks")."""
+
+    session_id: str
+    policy_version: int
+    members: int
+    delta: bool = False
+    parent: int | None = None
+    state: str = "open"  # "open" | "published" | "failed" | "aborted"
+    committed: list[int] = Field(default_factory=list)  # ranks whose part is committed
+    parts: dict[int, str] = Field(default_factory=dict)  # rank → the service's part hash
+    result: PublishResult | None = None  # the version, once published
+    error: str = ""  # why it failed or was aborted
+    expires_in_s: float = 0.0  # idle time left before it is aborted
+
+
+class TensorInfo(_Model):
+    """One weight tensor: safetensors dtype name and shape."""
+
+    dtype: str
+    shape: list[int] = Field(default_factory=list)
+
+
+class SourceInfo(_Model):
+    """Where a hub checkpoint keeps a canonical weight (``oldlogit.layout.WeightSource``)."""
+
+    templates: list[str] = Field(default_factory=list)
+    count: int = 1
+
+
 class Info(_Model):
     model_type: str  # e.g. "qwen2"
     architecture: str  # e.g. "Qwen2ForCausalLM"
@@ -278,6 +325,24 @@ class Info(_Model):
     threads: int = 0
     lm_head_fp32: bool = False
     attention: str = ""
+    # The weights a version holds and the other names they arrive under (README "Use with
+    # your trainer"): what ``Client.publish`` maps a trainer's state dict onto.
+    weight_specs: dict[str, TensorInfo] = Field(default_factory=dict)
+    tied_weights: dict[str, str] = Field(default_factory=dict)
+    weight_sources: dict[str, SourceInfo] = Field(default_factory=dict)
+    ignored_weights: list[str] = Field(default_factory=list)
+
+    def weight_layout(self) -> WeightLayout:
+        """The model's ``oldlogit.layout.WeightLayout`` (empty specs on an older server)."""
+        return WeightLayout(
+            specs={n: (t.dtype, tuple(t.shape)) for n, t in self.weight_specs.items()},
+            tied=dict(self.tied_weights),
+            sources={
+                n: WeightSource(n, tuple(s.templates), s.count)
+                for n, s in self.weight_sources.items()
+            },
+            ignored=frozenset(self.ignored_weights),
+        )
 
     def numerics_spec(self) -> NumericsSpec:
         """These numerics as ``oldlogit.parity.NumericsSpec``: pass it as

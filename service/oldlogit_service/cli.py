@@ -167,6 +167,11 @@ def _parser() -> argparse.ArgumentParser:
         help="diff against the last weights this client published (a one-shot command has "
         "none: it sends everything, and the service stores a patch anyway)",
     )
+    pub.add_argument(
+        "--cast",
+        action="store_true",
+        help="cast floating tensors (e.g. a float32 checkpoint) to the serving dtype",
+    )
     pub.add_argument("--token", default=None, help="write token (or OLDLOGIT_WRITE_TOKEN)")
     _tls_flags(pub)
     pub.add_argument("--no-progress", action="store_true")
@@ -251,12 +256,30 @@ def _serve(args: argparse.Namespace) -> int:
                 + (" (TLS is on)" if tls is not None else " except from loopback")
             )
 
+    from oldlogit import OldLogitError
     from oldlogit_service.engine import NumericsCheckFailed
+    from oldlogit_service.model import UnsupportedModel
+
+    started = False
+
+    def on_ready(bound: Bound, rt: Any) -> None:
+        nonlocal started
+        started = True
+        ready(bound, rt)
 
     try:
-        asyncio.run(serve(settings, on_ready=ready, tls=tls))
+        asyncio.run(serve(settings, on_ready=on_ready, tls=tls))
     except NumericsCheckFailed as exc:
         print(f"oldlogit serve: {exc}; start with --numerics hf to serve anyway", file=sys.stderr)
+        return 2
+    except UnsupportedModel as exc:  # one line naming the architecture, no traceback
+        print(f"oldlogit serve: {exc}", file=sys.stderr)
+        return 2
+    except OldLogitError as exc:
+        if started:
+            raise
+        # e.g. the model directory's weights do not fit its config (names the tensor)
+        print(f"oldlogit serve: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     return 0
 
@@ -277,6 +300,7 @@ def _publish(args: argparse.Namespace) -> int:
                     args.weights,
                     delta=args.delta,
                     progress=not args.no_progress,
+                    cast=args.cast,
                 )
     except OldLogitError as exc:
         where = f" ({exc.parameter})" if exc.parameter else ""

@@ -13,8 +13,9 @@ How a batch runs depends on the model's numerics profile (``LoadedModel.profile`
   equal to ``reference_logprobs`` (the sequence alone) — and to a trainer under
   ``trainer_numerics``.
 - ``hf``: the unpatched transformers forward, which is not batch-invariant: ``deterministic``
-  gives each distinct sequence its own unpadded batch-1 forward and runs the head on the
-  reference's fixed row chunks (``numerics.head_chunk_bounds``), only where a row is scored;
+  gives each distinct sequence its own unpadded batch-1 forward and runs the model's own head
+  path (lm_head, soft-capping, logit scaling) on the reference's fixed row chunks
+  (``numerics.head_chunk_bounds``), only where a row is scored;
   ``fast`` pads sequences of similar length into [B, T_max] forwards and is off by up to a few
   ulps (``measure_fast_mode_deviation``).
 Jobs with identical token_ids share one forward: the same computation, so the same bits.
@@ -37,13 +38,7 @@ from oldlogit.errors import OutOfMemory
 from oldlogit.parity.logprobs import row_logits
 
 from .model import LoadedModel
-from .numerics import (
-    HEAD_CHUNK_ROWS,
-    SamplingParams,
-    head_chunk_bounds,
-    head_logits_chunk,
-    processed_logprobs,
-)
+from .numerics import HEAD_CHUNK_ROWS, SamplingParams, head_chunk_bounds, processed_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +212,6 @@ class Engine:
         self, weights: Mapping[str, Tensor], jobs: Sequence[Job], groups: list[_Group]
     ) -> list[Tensor]:
         device = self.model.device
-        head_weight, head_bias = self.model.head(weights)  # [V, H], [V] | None
         outs: list[Tensor] = [torch.empty(0)] * len(jobs)
         for group in groups:
             n = int(group.token_ids.shape[0])
@@ -239,9 +233,8 @@ class Engine:
                         spans.append((job, i, lo, hi))
                 if not spans:
                     continue  # no scored row here: the reference computes it, we need not
-                logits = head_logits_chunk(
-                    hidden[start:end], head_weight, head_bias, self.lm_head_fp32
-                )  # [C, V], head dtype
+                # [C, V]: the model's own head path (soft-capping, scaling) on the fixed chunk
+                logits = self.model.head_logits(weights, hidden[start:end], self.lm_head_fp32)
                 for job, i, lo, hi in spans:
                     rows = rows_dev[i][lo:hi]  # [s], inside [start, end)
                     # Select in the head dtype: only scored rows ever exist in float32.
@@ -255,7 +248,6 @@ class Engine:
         self, weights: Mapping[str, Tensor], jobs: Sequence[Job], groups: list[_Group]
     ) -> list[Tensor]:
         device = self.model.device
-        head_weight, head_bias = self.model.head(weights)
         outs: list[Tensor] = [torch.empty(0)] * len(jobs)
         for batch in _length_batches(groups, self.max_batch_tokens):
             t_max = max(int(g.token_ids.shape[0]) for g in batch)
@@ -274,7 +266,7 @@ class Engine:
             ) -> Iterator[tuple[int, Tensor]]:
                 for a in range(0, int(rows.shape[0]), self.head_rows):
                     picked = hidden_flat.index_select(0, rows[a : a + self.head_rows])
-                    yield a, head_logits_chunk(picked, head_weight, head_bias, self.lm_head_fp32)
+                    yield a, self.model.head_logits(weights, picked, self.lm_head_fp32)
 
             placed = [(g, b * t_max) for b, g in enumerate(batch)]
             self._score(jobs, placed, ids_dev.reshape(-1), logits, outs)
@@ -424,14 +416,20 @@ def self_check(
         n = max(2, min(int(n), limit))
         ids = torch.randint(0, engine.model.vocab_size, (n,), generator=gen, dtype=torch.int64)
         jobs.append(Job(ids, torch.arange(1, n, dtype=torch.int64)))
-    packed = engine.run(weights, jobs)
+    from oldlogit.parity.attention import InvariantNumericsError
+
+    try:
+        packed = engine.run(weights, jobs)
+    except InvariantNumericsError as exc:  # e.g. a matmul outside the tiles (strict mode)
+        raise NumericsCheckFailed(f"{engine.model.architecture}: {exc}") from exc
     compared = 0
     for job, together in zip(jobs, packed, strict=True):
         (alone,) = engine.run(weights, [job])
         if not torch.equal(together, alone):
             diff = (together - alone).abs().nan_to_num(posinf=float("inf"))
             raise NumericsCheckFailed(
-                f"a packed batch differs from the same sequence run alone (length "
+                f"{engine.model.architecture}: a packed batch differs from the same sequence "
+                f"run alone (length "
                 f"{int(job.token_ids.shape[0])}, max |Δ| {float(diff.max()):.3g}): the "
                 f"{engine.model.profile!r} numerics are not batch-invariant on this platform"
             )

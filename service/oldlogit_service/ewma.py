@@ -159,7 +159,7 @@ class EwmaProxy:
 
     def _refresh_locked(self) -> None:
         """Cast to the serving dtype, hash, move to the device, persist, then swap in."""
-        cpu = {k: v.to(self.model.dtype).contiguous() for k, v in self._acc.items()}
+        cpu = {k: v.to(self.model.weight_dtype(k)).contiguous() for k, v in self._acc.items()}
         sha = weight_sha256(cpu)
         device = self.model.device
         served = cpu if device.type == "cpu" else {k: v.to(device) for k, v in cpu.items()}
@@ -240,7 +240,7 @@ class EwmaProxy:
             self._w = weight
             self._count = int(meta["count"])
             self._last = int(meta["last_version"])
-            cpu = {k: v.to(self.model.dtype).contiguous() for k, v in acc.items()}
+            cpu = {k: v.to(self.model.weight_dtype(k)).contiguous() for k, v in acc.items()}
             device = self.model.device
             served = cpu if device.type == "cpu" else {k: v.to(device) for k, v in cpu.items()}
             self._snapshot = EwmaSnapshot(served, weight_sha256(cpu), self._last, self._count)

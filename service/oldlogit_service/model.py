@@ -1,31 +1,36 @@
 """Model skeletons and weights: one parameter-free module per deployment, weights per call.
 
 In: an HF-format directory (config.json + safetensors). Out: a ``LoadedModel`` (the skeleton
-with parameters on the meta device, real buffers, the canonical parameter names/dtypes/shapes)
-and CPU weight dicts in the serving dtype. Must not hold any version's weights: every forward
-gets its weights through ``torch.func.functional_call``, so one skeleton serves every version.
+with parameters on the meta device, real buffers, the canonical weight names/dtypes/shapes and
+the names checkpoints may use instead, ``layout``). Must not hold any version's weights: every
+forward gets its weights through ``torch.func.functional_call``, so one skeleton serves every
+version. A version's weights are the model's ``state_dict()`` without tied duplicates: its
+parameters and its *persistent* buffers, i.e. the buffers a checkpoint carries and the forward
+reads (DeepSeek-V3's routing bias ``e_score_correction_bias``); non-persistent buffers (rotary
+``inv_freq``) are computed from the config and stay in the skeleton. Reading checkpoints onto
+these names is ``checkpoints``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from oldlogit.errors import WeightsMismatch
+from oldlogit.layout import WeightLayout
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
+from oldlogit_service.backends import (
+    CallableBackend,
+    ModelBackend,
+    TransformersBackend,
+    params_on_meta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ __all__ = [
     "ModelBackend",
     "ParamSpec",
     "TransformersBackend",
+    "UnsupportedModel",
     "canonicalize_weights",
     "dtype_from_name",
     "dtype_name",
@@ -45,6 +51,7 @@ __all__ = [
     "params_on_meta",
     "resolve_device",
     "safetensors_dtype_name",
+    "weight_layout_info",
 ]
 
 ParamSpec = tuple[str, tuple[int, ...]]  # (safetensors dtype string, shape)
@@ -65,6 +72,13 @@ _SAFETENSORS_NAMES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+class UnsupportedModel(RuntimeError):
+    """The model directory describes an architecture oldlogit cannot serve; the message is one
+    line that names it and says why (``oldlogit serve`` prints it and exits 2)."""
+
+
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _FALLBACK_MAX_POSITIONS = 1 << 20
 
@@ -104,204 +118,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-# ----------------------------------------------------------------------------------- skeleton
-
-_META_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device; buffers stay real.
-
-    Buffers must stay real because some are computed at construction and never loaded (HF
-    rotary ``inv_freq``). Patches ``nn.Module.register_parameter`` process-wide while active,
-    so a lock serialises builders; build nothing else concurrently in other threads.
-    """
-    original = nn.Module.register_parameter
-
-    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    with _META_LOCK:
-        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-@runtime_checkable
-class ModelBackend(Protocol):
-    """How to build a skeleton and run it with a weights dict; plug in non-transformers models.
-
-    Weights are keyed by the canonical names, ``dict(module.named_parameters())`` keys (tied
-    parameters appear once). Implementations must be pure functions of their inputs.
-    """
-
-    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        """The skeleton: parameters on meta (use ``params_on_meta``), real buffers, eval mode."""
-        ...
-
-    def hidden_states(
-        self,
-        module: nn.Module,
-        weights: Mapping[str, Tensor],
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-    ) -> Tensor:
-        """input_ids [B, T] int64, attention_mask [B, T] or None → final normed hidden [B, T, H]."""
-        ...
-
-    def head(
-        self, module: nn.Module, weights: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        """The lm_head's weight [V, H] and bias [V] (or None), taken from ``weights``."""
-        ...
-
-
-def _auto_causal_lm() -> Any:
-    # Imported lazily (transformers is slow to import) and typed Any: its from_config is untyped.
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM
-
-
-@dataclass(frozen=True)
-class _HFLayout:
-    decoder: nn.Module
-    decoder_prefix: str  # "model." for Qwen2ForCausalLM
-    head_weight: str
-    head_bias: str | None
-
-
-class TransformersBackend:
-    """HF causal LMs (``AutoModelForCausalLM``): decoder via ``get_decoder()``, head via
-    ``get_output_embeddings()``; tied embeddings resolve to the embedding's canonical name."""
-
-    def __init__(self, attn_implementation: str | None = None) -> None:
-        self.attn_implementation = attn_implementation
-        self._layouts: weakref.WeakKeyDictionary[nn.Module, _HFLayout] = weakref.WeakKeyDictionary()
-
-    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        from transformers import AutoConfig
-
-        fields = {
-            k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")
-        }
-        if "model_type" not in config:
-            raise ValueError("config.json has no 'model_type': not an HF-format model directory")
-        hf_config = AutoConfig.for_model(config["model_type"], **fields)
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if self.attn_implementation is not None:
-            kwargs["attn_implementation"] = self.attn_implementation
-        with params_on_meta():
-            module: nn.Module = _auto_causal_lm().from_config(hf_config, **kwargs)
-        # Tying is what makes lm_head.weight *the same* meta Parameter as the embedding, so the
-        # canonical names (and functional_call) see one tensor.
-        module.tie_weights()  # type: ignore[operator]
-        module.eval()
-        return module
-
-    def _layout(self, module: nn.Module) -> _HFLayout:
-        layout = self._layouts.get(module)
-        if layout is None:
-            get_decoder = getattr(module, "get_decoder", None)
-            decoder = get_decoder() if callable(get_decoder) else getattr(module, "model", None)
-            if not isinstance(decoder, nn.Module):
-                raise TypeError(f"{type(module).__name__} has no decoder (get_decoder/model)")
-            prefix = next((n for n, m in module.named_modules() if m is decoder), None)
-            if prefix is None:
-                raise TypeError(f"the decoder of {type(module).__name__} is not a submodule")
-            head = module.get_output_embeddings()  # type: ignore[operator]
-            if not isinstance(head, nn.Module):
-                raise TypeError(f"{type(module).__name__} has no output embeddings (lm_head)")
-            names = {id(p): n for n, p in module.named_parameters()}  # first name of tied params
-            bias = getattr(head, "bias", None)
-            layout = _HFLayout(
-                decoder=decoder,
-                decoder_prefix=f"{prefix}." if prefix else "",
-                head_weight=names[id(head.weight)],
-                head_bias=names[id(bias)] if isinstance(bias, nn.Parameter) else None,
-            )
-            self._layouts[module] = layout
-        return layout
-
-    def hidden_states(
-        self,
-        module: nn.Module,
-        weights: Mapping[str, Tensor],
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-    ) -> Tensor:
-        layout = self._layout(module)
-        cut = len(layout.decoder_prefix)
-        decoder_weights = {
-            name[cut:]: tensor
-            for name, tensor in weights.items()
-            if name.startswith(layout.decoder_prefix)
-        }
-        out = functional_call(
-            layout.decoder,
-            decoder_weights,
-            args=(),
-            kwargs={"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
-        )
-        hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return hidden  # [B, T, H]
-
-    def head(
-        self, module: nn.Module, weights: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        layout = self._layout(module)
-        bias = weights[layout.head_bias] if layout.head_bias is not None else None
-        return weights[layout.head_weight], bias
-
-
-class CallableBackend:
-    """A backend around ``build_fn(config, dtype) -> nn.Module`` for non-transformers models.
-
-    The module's ``forward(input_ids [B, T] int64, attention_mask [B, T] | None)`` must return
-    the final normed hidden states [B, T, H] (not logits), be causal, and treat padded positions
-    (mask 0, right padding) as absent. Its parameters ``head_weight`` [V, H] (and ``head_bias``
-    [V]) are the lm_head; the backend builds the module under ``params_on_meta``.
-    """
-
-    def __init__(
-        self,
-        build_fn: Callable[[dict[str, Any], torch.dtype], nn.Module],
-        *,
-        head_weight: str = "lm_head.weight",
-        head_bias: str | None = None,
-    ) -> None:
-        self.build_fn = build_fn
-        self.head_weight = head_weight
-        self.head_bias = head_bias
-
-    def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        with params_on_meta():
-            module = self.build_fn(config, dtype)
-        module.eval()
-        return module
-
-    def hidden_states(
-        self,
-        module: nn.Module,
-        weights: Mapping[str, Tensor],
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-    ) -> Tensor:
-        hidden: Tensor = functional_call(module, dict(weights), (input_ids, attention_mask))
-        return hidden  # [B, T, H]
-
-    def head(
-        self, module: nn.Module, weights: Mapping[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        bias = weights[self.head_bias] if self.head_bias is not None else None
-        return weights[self.head_weight], bias
-
-
 # -------------------------------------------------------------------------------- loaded model
 
 
@@ -316,13 +132,14 @@ class LoadedModel:
     architecture: str
     dtype: torch.dtype
     device: torch.device
-    param_specs: dict[str, ParamSpec]  # canonical name → (safetensors dtype, shape)
+    param_specs: dict[str, ParamSpec]  # canonical weight name → (safetensors dtype, shape)
     vocab_size: int
     max_positions: int
     num_parameters: int
     nbytes: int  # bytes of one version's weights in the serving dtype
     aliases: dict[str, str]  # tied duplicate name → canonical name (e.g. lm_head.weight)
-    buffer_names: frozenset[str]
+    buffer_names: frozenset[str]  # non-persistent buffers: never part of a version
+    layout: WeightLayout  # param_specs, aliases and the names checkpoints use instead
     attn_implementation: str | None = None  # e.g. "sdpa": part of the numerics
     # "invariant": the skeleton is patched once for its lifetime (oldlogit.parity) so that
     # every forward is batch-invariant; "hf": the unpatched transformers forward.
@@ -346,6 +163,12 @@ class LoadedModel:
             attention=self.attn_implementation or "eager",
         )
 
+    def weight_dtype(self, name: str) -> torch.dtype:
+        """The serving dtype of weight ``name`` (the model dtype, or float32 for the tensors
+        the model keeps in float32)."""
+        st = self.param_specs[name][0]
+        return next(d for d, s in _SAFETENSORS_NAMES.items() if s == st)
+
     def head_dtype_name(self, lm_head_fp32: bool) -> str:
         return "float32" if lm_head_fp32 else self.dtype_name
 
@@ -357,6 +180,25 @@ class LoadedModel:
 
     def head(self, weights: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         return self.backend.head(self.module, weights)
+
+    def head_logits(self, weights: Mapping[str, Tensor], hidden: Tensor, fp32: bool) -> Tensor:
+        """Logits of hidden rows [C, H] → [C, V] by the model's own head path.
+
+        A transformers model applies everything it does after its decoder (the lm_head, logit
+        soft-capping, logit scaling: ``oldlogit.parity.head_logits``); other backends are a
+        plain projection by ``head``. With ``fp32`` the hidden states and the head weight are
+        cast to float32 before the projection.
+        """
+        if isinstance(self.backend, TransformersBackend):
+            from oldlogit.parity.logprobs import head_logits
+
+            # [1, C, H] → [1, C, V]
+            rows = hidden.contiguous()[None]
+            return head_logits(self.module, rows, weights=weights, lm_head_fp32=fp32)[0]
+        from oldlogit_service.numerics import head_logits_chunk
+
+        head_weight, head_bias = self.head(weights)
+        return head_logits_chunk(hidden, head_weight, head_bias, fp32)
 
 
 def model_from_config(
@@ -384,11 +226,18 @@ def model_from_config(
     torch_dtype = dtype_from_name(dtype)
     torch_device = resolve_device(device)
     config = dict(config)
-    module = backend.build(config, torch_dtype)
+    name = _architecture_name(config)
+    try:
+        module = backend.build(config, torch_dtype)
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+        raise UnsupportedModel(
+            f"cannot serve {name}: transformers builds no causal LM from its config.json "
+            f"({_one_line(exc)})"
+        ) from exc
     for sub in module.modules():
-        for name, buffer in list(sub._buffers.items()):
+        for buffer_name, buffer in list(sub._buffers.items()):
             if buffer is not None:
-                sub._buffers[name] = buffer.to(torch_device)
+                sub._buffers[buffer_name] = buffer.to(torch_device)
 
     params = dict(module.named_parameters())  # dedups tied parameters: the canonical names
     canonical_by_id = {id(p): n for n, p in params.items()}
@@ -397,14 +246,29 @@ def model_from_config(
         for n, p in module.named_parameters(remove_duplicate=False)
         if n not in params
     }
+    # A version's weights: the state dict (parameters and persistent buffers) without tied
+    # duplicates, in state-dict order.
+    state = {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in aliases}
+    persistent = frozenset(n for n in state if n not in params)
     specs: dict[str, ParamSpec] = {
-        n: (safetensors_dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()
+        n: (safetensors_dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()
     }
-    head_weight, _ = backend.head(module, params)
+    ignored = frozenset(n for n, _ in module.named_buffers() if n not in persistent)
+    try:
+        head_weight, _ = backend.head(module, params)
+    except (TypeError, KeyError) as exc:
+        raise UnsupportedModel(f"cannot serve {name}: {_one_line(exc)}") from exc
     if numerics == "invariant":
         from oldlogit.parity import patch_numerics
 
-        patch_numerics(module, tile_rows=tile_rows, strict=True)  # for the skeleton's lifetime
+        try:
+            patch_numerics(module, tile_rows=tile_rows, strict=True)  # for its lifetime
+        except (TypeError, RuntimeError, ValueError) as exc:
+            raise UnsupportedModel(
+                f"cannot serve {name} with the invariant numerics: {_one_line(exc)}"
+            ) from exc
+    from oldlogit_service.checkpoints import layout_of
+
     max_positions = next((int(config[k]) for k in _MAX_POSITION_KEYS if k in config), None)
     if max_positions is None:
         logger.warning("config has no max positions; assuming %d", _FALLBACK_MAX_POSITIONS)
@@ -422,13 +286,42 @@ def model_from_config(
         vocab_size=int(head_weight.shape[0]),
         max_positions=max_positions,
         num_parameters=sum(p.numel() for p in params.values()),
-        nbytes=sum(p.numel() * p.element_size() for p in params.values()),
+        nbytes=sum(t.numel() * t.element_size() for t in state.values()),
         aliases=aliases,
-        buffer_names=frozenset(n for n, _ in module.named_buffers()),
+        buffer_names=ignored,
+        layout=layout_of(module, specs, aliases, ignored),
         attn_implementation=getattr(getattr(module, "config", None), "_attn_implementation", None),
         profile=numerics,
         tile_rows=tile_rows if numerics == "invariant" else None,
     )
+
+
+def weight_layout_info(layout: WeightLayout) -> dict[str, Any]:
+    """The ``Info`` fields that describe ``layout`` (``oldlogit.types.Info.weight_layout``)."""
+    from oldlogit.types import SourceInfo, TensorInfo
+
+    return {
+        "weight_specs": {
+            n: TensorInfo(dtype=dt, shape=list(shape)) for n, (dt, shape) in layout.specs.items()
+        },
+        "tied_weights": dict(layout.tied),
+        "weight_sources": {
+            n: SourceInfo(templates=list(src.templates), count=src.count)
+            for n, src in layout.sources.items()
+        },
+        "ignored_weights": sorted(layout.ignored),
+    }
+
+
+def _architecture_name(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    kind = f"model_type {config.get('model_type', '?')!r}"
+    return f"{archs[0]} ({kind})" if archs else kind
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def load_model(
@@ -443,8 +336,13 @@ def load_model(
     """The skeleton for an HF-format directory's config.json (weights are not read here)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: --model needs an HF-format directory")
-    config = json.loads(config_path.read_text())
+        raise UnsupportedModel(f"{config_path} not found: --model needs an HF-format directory")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"{config_path} is not readable JSON: {_one_line(exc)}") from exc
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"{config_path} does not hold a JSON object")
     loaded = model_from_config(
         config, dtype=dtype, device=device, backend=backend, numerics=numerics, tile_rows=tile_rows
     )
@@ -460,186 +358,5 @@ def load_model(
     return loaded
 
 
-# ------------------------------------------------------------------------------------- weights
-
-
-def _mismatch(message: str, tensor: str | None = None) -> WeightsMismatch:
-    return WeightsMismatch(
-        message, parameter="weights", details={"tensor": tensor} if tensor else None
-    )
-
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    if a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.stride() == b.stride():
-        return True  # a state_dict's tied entries share storage
-    return bool(torch.equal(a, b.to(a.dtype)))
-
-
-def canonicalize_weights(
-    model: LoadedModel, tensors: Mapping[str, Tensor], *, cast: bool = True
-) -> dict[str, Tensor]:
-    """Map a checkpoint's tensors onto the canonical names, checked against ``param_specs``.
-
-    A tied duplicate (``lm_head.weight`` when tied) is dropped, or renamed when it is the only
-    copy; saved buffers (old checkpoints' ``rotary_emb.inv_freq``) are ignored. Missing or
-    unexpected names and wrong shapes raise ``WeightsMismatch`` naming the tensor. With ``cast``
-    tensors are cast to the parameter's dtype, else a dtype difference is refused too. The
-    result is contiguous, on the tensors' own device, in ``param_specs`` order.
-    """
-    found = {n: t for n, t in tensors.items() if n in model.param_specs}
-    for name, tensor in tensors.items():
-        if name in model.param_specs:
-            continue
-        if name in model.aliases:
-            canonical = model.aliases[name]
-            if canonical not in found:
-                found[canonical] = tensor
-            elif not _same_values(found[canonical], tensor):
-                raise _mismatch(
-                    f"tensor {name!r} is tied to {canonical!r} in this model but differs from it",
-                    name,
-                )
-        elif name in model.buffer_names:
-            logger.debug("ignoring saved buffer %s", name)
-        else:
-            raise _mismatch(f"unexpected tensor {name!r}: the model has no such parameter", name)
-    missing = [n for n in model.param_specs if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise _mismatch(f"missing tensor {missing[0]!r}{more}", missing[0])
-    out: dict[str, Tensor] = {}
-    for name, (st_dtype, shape) in model.param_specs.items():
-        tensor = found[name]
-        if tuple(tensor.shape) != shape:
-            raise _mismatch(
-                f"tensor {name!r} has shape {list(tensor.shape)}, the model expects {list(shape)}",
-                name,
-            )
-        want = next(d for d, s in _SAFETENSORS_NAMES.items() if s == st_dtype)
-        if tensor.dtype != want:
-            if not cast:
-                raise _mismatch(
-                    f"tensor {name!r} has dtype {dtype_name(tensor.dtype)}, "
-                    f"the model serves {dtype_name(want)}",
-                    name,
-                )
-            tensor = tensor.to(want)
-        out[name] = tensor.contiguous()
-    return out
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
-def load_weights(model_dir: str | Path, model: LoadedModel) -> dict[str, Tensor] | None:
-    """The directory's safetensors weights (one file or sharded), canonical and cast to the
-    serving dtype, on CPU; None when the directory holds no safetensors weights."""
-    model_dir = Path(model_dir)
-    files = _weight_files(model_dir)
-    if not files:
-        if any(model_dir.glob("*.bin")):
-            logger.warning("%s holds only .bin weights; oldlogit reads safetensors", model_dir)
-        return None
-    tensors: dict[str, Tensor] = {}
-    for path in files:
-        if not path.is_file():
-            raise _mismatch(f"weight file {path.name} listed in the index is missing")
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in tensors:
-                    raise _mismatch(f"tensor {name!r} appears in more than one shard", name)
-                tensors[name] = f.get_tensor(name)
-    logger.info("read %d tensors from %d file(s) in %s", len(tensors), len(files), model_dir)
-    return canonicalize_weights(model, tensors, cast=True)
-
-
-# ----------------------------------------------------------------------------------- tiny model
-
-
-def make_tiny_model_dir(
-    path: str | Path,
-    *,
-    arch: str = "qwen2",
-    seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_positions: int = 2048,
-    tie_word_embeddings: bool = False,
-    dtype: str = "float32",
-    shards: int = 1,
-    initializer_range: float = 0.2,
-) -> Path:
-    """Write a seeded random causal LM (config.json + safetensors) to ``path``; offline.
-
-    ``initializer_range`` 0.2 (HF uses 0.02) gives peaked, non-trivial distributions, and the
-    constant-initialised parameters (norm weights, biases) get noise too, so every parameter
-    moves the logits. ``shards > 1`` writes HF-style shards with a
-    ``model.safetensors.index.json``. Does not disturb the global RNG.
-    """
-    from transformers import LlamaConfig, Qwen2Config
-
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_positions,
-        "tie_word_embeddings": tie_word_embeddings,
-        "initializer_range": initializer_range,
-    }
-    if arch == "qwen2":
-        config: Any = Qwen2Config(**common)
-        config.architectures = ["Qwen2ForCausalLM"]
-    elif arch == "llama":
-        config = LlamaConfig(**common)
-        config.architectures = ["LlamaForCausalLM"]
-    else:
-        raise ValueError(f"unknown tiny architecture {arch!r}: use 'qwen2' or 'llama'")
-    torch_dtype = dtype_from_name(dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        hf_model = _auto_causal_lm().from_config(config, dtype=torch.float32)
-        params = dict(hf_model.named_parameters())  # canonical: a tied head appears once
-        tensors: dict[str, Tensor] = {}
-        for name, param in params.items():
-            value = param.detach().float()
-            if value.numel() > 1 and bool((value == value.flatten()[0]).all()):
-                value = value + 0.1 * torch.randn_like(value)  # norms = 1, biases = 0
-            tensors[name] = value.to(torch_dtype).contiguous()
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    config.dtype = torch_dtype  # the dtype the weights are saved in, as HF records it
-    config.save_pretrained(out)  # config.json
-    names = list(tensors)
-    shards = max(1, min(shards, len(names)))
-    if shards == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
-    weight_map: dict[str, str] = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        lo, hi = i * len(names) // shards, (i + 1) * len(names) // shards
-        part = {n: tensors[n] for n in names[lo:hi]}
-        save_file(part, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return out
+from oldlogit_service.checkpoints import canonicalize_weights, load_weights  # noqa: E402
+from oldlogit_service.tiny import make_tiny_model_dir  # noqa: E402

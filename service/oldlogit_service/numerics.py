@@ -3,10 +3,12 @@
 The processing steps (logits → float32 → temperature → top-k/top-p → log_softmax → gather) and
 ``SamplingParams`` are ``oldlogit.parity``'s — one implementation for trainer and service. The
 ``invariant`` profile needs nothing else here: its head runs through fixed-shape tiles, so any
-subset of rows gives the same bits. The ``hf`` profile's head is *defined* on the fixed row
-chunks [0, C), [C, 2C), … of the whole sequence, because a plain GEMM over a subset of rows is
-not always bitwise equal to the same rows of the full GEMM (CPU kernels are picked by M); the
-engine computes only the chunks that hold a scored row and gets the same bits.
+subset of rows gives the same bits. The ``hf`` profile's head (the model's own head path:
+``LoadedModel.head_logits``) is *defined* on the fixed row chunks [0, C), [C, 2C), … of the
+whole sequence, because a plain GEMM over a subset of rows is not always bitwise equal to the
+same rows of the full GEMM (CPU kernels are picked by M); the engine computes only the chunks
+that hold a scored row and gets the same bits. ``head_logits_chunk`` is the plain projection
+for models that are not transformers models.
 Must not know about versions, batching or devices.
 """
 

@@ -4,7 +4,8 @@ In: one version's weights (or one per version) and a whole token sequence; out: 
 logprobs, NaN where not scored. The whole sequence is forwarded alone, unpadded, batch 1:
 - ``invariant`` profile: ``oldlogit.parity.token_logprobs`` of the sequence — the very call a
   trainer makes under ``trainer_numerics``;
-- ``hf`` profile: the unpatched forward, then every fixed head chunk and the shared processing.
+- ``hf`` profile: the unpatched decoder, then the model's own head path on every fixed
+  256-row chunk, and the shared processing.
 No batching, no shortcuts: the engine is tested bitwise against this.
 """
 
@@ -21,13 +22,7 @@ from torch import Tensor
 from oldlogit.parity import token_logprobs
 
 from .model import LoadedModel
-from .numerics import (
-    HEAD_CHUNK_ROWS,
-    SamplingParams,
-    head_chunk_bounds,
-    head_logits_chunk,
-    processed_logprobs,
-)
+from .numerics import HEAD_CHUNK_ROWS, SamplingParams, head_chunk_bounds, processed_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +71,10 @@ def reference_logprobs(
         out[1:] = lp_all[1:].cpu().numpy()
         return out
     hidden = model.hidden_states(weights, ids[None, :], None)[0]  # [T, H]
-    head_weight, head_bias = model.head(weights)  # [V, H], [V] | None
     # Hidden row r predicts token r + 1; the last row predicts nothing and is dropped.
     for start, end in head_chunk_bounds(n, head_chunk_rows):
-        logits = head_logits_chunk(hidden[start:end], head_weight, head_bias, lm_head_fp32)
+        # [C, V]: the model's own head path (lm_head, soft-capping, logit scaling)
+        logits = model.head_logits(weights, hidden[start:end], lm_head_fp32)
         rows = min(end, n - 1) - start
         if rows <= 0:
             continue

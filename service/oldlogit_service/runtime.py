@@ -44,18 +44,21 @@ from oldlogit.types import (
     LogprobsResponse,
     PublishResult,
     SequenceResult,
+    SessionInfo,
     VersionInfo,
 )
 from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCacheBackend
+from oldlogit_service.checkpoints import canonical_file
 from oldlogit_service.config import Settings
 from oldlogit_service.control import Control
 from oldlogit_service.engine import Engine, Job, SamplingParams
 from oldlogit_service.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics, ServiceState
-from oldlogit_service.model import LoadedModel
+from oldlogit_service.model import LoadedModel, weight_layout_info
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
+from oldlogit_service.sessions import Sessions
 from oldlogit_service.snapshots import SnapshotStore, check_version
 from oldlogit_service.validate import Limits, SequencePlan, plan_request
 
@@ -138,6 +141,8 @@ class Runtime:
                 "--mode fast is an alias of deterministic under the invariant numerics: packed "
                 "batches are exact and batched (--numerics hf --mode fast pads, inexactly)"
             )
+        # Multi-rank publishes: parts staged here, the last commit publishes like any upload.
+        self.sessions = Sessions(store, model.param_specs, publish=self._publish_now)
         self._ready = True
         self._draining = False
         self._stop = threading.Event()
@@ -162,6 +167,7 @@ class Runtime:
         while not self._stop.wait(self.settings.sweep_interval_s):
             try:
                 self.control.sweep()
+                self.sessions.sweep()
             except Exception:
                 logger.exception("the periodic sweep failed; the next one retries")
 
@@ -374,31 +380,9 @@ class Runtime:
         check_version(version)
         if parent is not None and not delta:
             raise InvalidRequest("parent applies to delta uploads only", parameter="parent")
-        limit = int(self.settings.max_upload_gib * 1024**3)
-        staging = self.store.staging_dir
-        tmp = staging / f"upload-{version}-{uuid.uuid4().hex}.safetensors.part"
-        size = 0
+        tmp = self.store.staging_dir / f"upload-{version}-{uuid.uuid4().hex}.safetensors.part"
         try:
-            with open(tmp, "wb") as f:
-                batch: list[bytes] = []
-                held = 0
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > limit:
-                        raise LimitExceeded(
-                            f"the upload exceeds the limit of {limit} bytes", parameter=parameter
-                        )
-                    batch.append(chunk)
-                    held += len(chunk)
-                    if held >= _UPLOAD_FLUSH_BYTES:
-                        await self._blocking(f.writelines, batch)
-                        batch, held = [], 0
-                if batch:
-                    await self._blocking(f.writelines, batch)
-            if size == 0:
-                raise InvalidRequest(
-                    "the upload is empty: send a safetensors file", parameter=parameter
-                )
+            await self._receive(chunks, tmp, parameter=parameter)
             if delta:
                 return await self._publish(
                     lambda: self.store.publish_delta(
@@ -411,6 +395,32 @@ class Runtime:
         finally:
             if tmp.exists():
                 await self._blocking(os.unlink, tmp)
+
+    async def _receive(self, chunks: AsyncIterator[bytes], path: Path, *, parameter: str) -> None:
+        """Stream an upload to ``path`` within the upload limit (writes batched, in threads);
+        an empty upload is refused."""
+        limit = int(self.settings.max_upload_gib * 1024**3)
+        size = 0
+        with open(path, "wb") as f:
+            batch: list[bytes] = []
+            held = 0
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise LimitExceeded(
+                        f"the upload exceeds the limit of {limit} bytes", parameter=parameter
+                    )
+                batch.append(chunk)
+                held += len(chunk)
+                if held >= _UPLOAD_FLUSH_BYTES:
+                    await self._blocking(f.writelines, batch)
+                    batch, held = [], 0
+            if batch:
+                await self._blocking(f.writelines, batch)
+        if size == 0:
+            raise InvalidRequest(
+                "the upload is empty: send a safetensors file", parameter=parameter
+            )
 
     async def publish_weights(
         self, version: int, weights: Mapping[str, torch.Tensor], *, sha256: str | None
@@ -468,15 +478,32 @@ class Runtime:
                     version, target, parent=parent, expected_sha256=sha256
                 )
             )
+        # A hub checkpoint's layout (per-expert tensors, tied duplicates) → canonical names.
+        staged = await self._blocking(
+            canonical_file, target, self.model.layout, self.store.staging_dir
+        )
+        if staged is not None:
+            try:
+                return await self._publish(
+                    lambda: self.store.publish_file(
+                        version, staged, expected_sha256=sha256, move=True
+                    )
+                )
+            finally:
+                staged.unlink(missing_ok=True)
         return await self._publish(
             lambda: self.store.publish(version, target, expected_sha256=sha256)
         )
 
     async def _publish(self, do: Callable[[], Any]) -> PublishResult:
+        return await self._blocking(self._publish_now, do)
+
+    def _publish_now(self, do: Callable[[], Any]) -> PublishResult:
+        """Run one store publish (blocking): metrics, then the proxy policy folds it in."""
         start = time.perf_counter()
         code = "ok"
         try:
-            out = await self._blocking(do)
+            out = do()
         except OldLogitError as exc:
             code = exc.code
             raise
@@ -488,7 +515,7 @@ class Runtime:
             self.metrics.publish_seconds.labels(code).observe(time.perf_counter() - start)
         if self.ewma is not None:
             try:  # the version is visible already; a failed fold is retried on the next publish
-                await self._blocking(self.ewma.catch_up, self.store)
+                self.ewma.catch_up(self.store)
             except Exception:
                 logger.exception("ewma: folding in version %s failed", out.version)
         return PublishResult(
@@ -498,6 +525,53 @@ class Runtime:
             nbytes=int(out.nbytes),
             kind=str(out.kind),
         )
+
+    # -- multi-rank publish sessions -----------------------------------------------------
+    async def open_session(
+        self,
+        session_id: str,
+        policy_version: int,
+        members: int,
+        *,
+        delta: bool = False,
+        parent: int | None = None,
+        sha256: str | None = None,
+        ttl_s: float | None = None,
+    ) -> SessionInfo:
+        check_version(policy_version)
+        return await self._blocking(
+            lambda: self.sessions.open(
+                session_id,
+                policy_version,
+                members,
+                delta=delta,
+                parent=parent,
+                sha256=sha256,
+                ttl_s=ttl_s,
+            )
+        )
+
+    async def stage_part(
+        self, session_id: str, rank: int, chunks: AsyncIterator[bytes], *, parameter: str = "body"
+    ) -> SessionInfo:
+        """One rank's part, streamed like an upload into the session's directory, then checked
+        against the model (names, dtypes, shapes) and hashed."""
+        path = await self._blocking(self.sessions.part_path, session_id, rank)
+        try:
+            await self._receive(chunks, path, parameter=parameter)
+            return await self._blocking(self.sessions.stage, session_id, rank, path)
+        finally:
+            await self._blocking(path.unlink, True)
+
+    async def commit_part(self, session_id: str, rank: int, sha256: str) -> SessionInfo:
+        """Commit a staged part; the last commit publishes the version (in this call)."""
+        return await self._blocking(self.sessions.commit, session_id, rank, sha256)
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return await self._blocking(self.sessions.get, session_id)
+
+    async def abort_session(self, session_id: str) -> SessionInfo:
+        return await self._blocking(self.sessions.abort, session_id)
 
     # -- versions, leases, watermark -----------------------------------------------------
     async def versions(self) -> tuple[list[VersionInfo], int | None]:
@@ -560,6 +634,7 @@ class Runtime:
             threads=spec.threads,
             lm_head_fp32=spec.lm_head_fp32,
             attention=spec.attention,
+            **weight_layout_info(m.layout),
         )
 
     async def metrics_text(self) -> bytes:

@@ -140,8 +140,10 @@ def _check_numerics(engine: Engine, store: SnapshotStore, model: LoadedModel) ->
             compared = self_check(engine, weights)
     else:
         gen = torch.Generator().manual_seed(0)
-        weights = {  # every parameter is in the serving dtype (model.param_specs)
-            name: (torch.randn(shape, generator=gen) * 0.05).to(model.device, model.dtype)
+        weights = {  # every weight in its serving dtype (model.param_specs)
+            name: (torch.randn(shape, generator=gen) * 0.05).to(
+                model.device, model.weight_dtype(name)
+            )
             for name, (_, shape) in model.param_specs.items()
         }
         compared = self_check(engine, weights)

@@ -28,6 +28,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
             "pipeline",
             "soak",
             "tls",
+            "models",
             "--smoke",
             "--out",
             str(tmp_path),
@@ -57,3 +58,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     # The soak's short configuration: publishes, evictions, load; zero errors.
     assert by_name["soak errors"]["value"] == 0, by_name["soak errors"]["detail"]["errors"]
     assert by_name["soak errors"]["detail"]["requests"] > 20
+    # Real size, shrunk: the server started, took 3 versions (full, then deltas) and scored.
+    assert by_name["models: start (version 0 + self-check)"]["value"] > 0
+    delta = by_name["models: delta publish"]["detail"]
+    assert len(delta["seconds"]) == 2 and "patch" in delta["kinds"]
+    assert by_name["models: service ÷ in-process HF forward"]["value"] > 0

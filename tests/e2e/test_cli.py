@@ -269,3 +269,77 @@ def test_serve_refuses_to_start_when_packing_changes_bits(tmp_path: Path) -> Non
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "packed batch differs" in lines[0] and "--numerics hf" in lines[0]
     assert "Traceback" not in out.stderr and "http=" not in out.stdout
+
+
+def _bad_model_dir(path: Path, kind: str) -> Path:
+    """A directory oldlogit must refuse at start-up."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True)
+    if kind == "not-a-causal-lm":  # transformers builds no causal LM from a T5 config
+        cfg = AutoConfig.for_model("t5", d_model=16, d_ff=32, num_layers=1, num_heads=2)
+        cfg.save_pretrained(path)
+    elif kind == "uncovered-matmul":  # GPT-2's Conv1D multiplies with addmm, not F.linear
+        cfg = AutoConfig.for_model("gpt2", n_embd=16, n_layer=1, n_head=2, vocab_size=64)
+        cfg.architectures = ["GPT2LMHeadModel"]
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    else:  # weights that do not fit the config
+        cfg = AutoConfig.for_model(
+            "llama",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            vocab_size=64,
+        )
+        model = AutoModelForCausalLM.from_config(cfg)
+        model.config.save_pretrained(path)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        state["model.norm.weight"] = torch.zeros(17)
+        save_file(state, str(path / "model.safetensors"))
+        json.loads((path / "config.json").read_text())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("not-a-causal-lm", "cannot serve model_type 't5'"),
+        ("uncovered-matmul", "GPT2LMHeadModel"),
+        ("misfit-weights", "model.norm.weight"),
+    ],
+)
+def test_a_model_that_cannot_be_served_stops_serve_with_one_line(
+    tmp_path: Path, kind: str, says: str
+) -> None:
+    model = _bad_model_dir(tmp_path / "model", kind)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oldlogit_service.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--snapshot-dir",
+            str(tmp_path / "snap"),
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--log-level",
+            "ERROR",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("oldlogit serve:")]
+    assert len(lines) == 1 and says in lines[0], out.stderr
+    assert "Traceback" not in out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,7 +62,8 @@ def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
     blocks = _blocks("python")
     assert len(blocks) >= 2
     # Trainer blocks use `model`: the demo architecture holding the demo's version 0 (a block
-    # that publishes gets other weights, so its publish creates a version).
+    # that publishes gets other weights, so its publish creates a version), and `tokenizer`: a
+    # word-level tokenizer over its vocabulary ("w0" … ; no hub).
     prelude = (
         "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
@@ -70,15 +72,27 @@ def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
         f"_d = make_tiny_model_dir({str(tmp_path / 'm')!r}, **DEMO_MODEL_KWARGS)\n"
         "model = AutoModelForCausalLM.from_pretrained(_d, dtype=torch.bfloat16)\n"
     )
+    tokenizer = (
+        "from tests.architectures import word_tokenizer\n"
+        "tokenizer = word_tokenizer(model.config.vocab_size)\n"
+        "model.generation_config.pad_token_id = tokenizer.pad_token_id\n"
+        "model.generation_config.eos_token_id = tokenizer.eos_token_id\n"
+    )
     for i, block in enumerate(blocks):
         code = _localize(block, demo_server)
-        if "model" in re.findall(r"\b\w+\b", code) and "def " not in code:
+        words = re.findall(r"\b\w+\b", code)
+        if "model" in words and "def " not in code:
             changed = "model.model.norm.weight.data += 0.5\n" if "publish(" in code else ""
-            code = prelude + changed + code
+            code = prelude + (tokenizer if "tokenizer" in words else "") + changed + code
         script = tmp_path / f"block{i}.py"
         script.write_text(code)
         out = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},  # the prelude's test helpers
         )
         assert out.returncode == 0, f"README python block {i} failed:\n{out.stderr}"
         if "# True" in block:  # a block whose last line prints what the comment promises

@@ -153,6 +153,25 @@ def _valid_messages(rng: random.Random) -> dict[str, list[bytes]]:
         "PublishByPath": [
             pb.PublishByPathRequest(policy_version=77, path="../../etc/passwd").SerializeToString()
         ],
+        "OpenSession": [
+            pb.OpenSessionRequest(
+                session_id=rng.choice(["", "x", "../../../x", "s" * 100, "fuzz-session-1"]),
+                policy_version=rng.choice([-1, 600, 2**62]),
+                members=rng.choice([-1, 0, 2, 10**9]),
+                delta=rng.choice([False, True]),
+                sha256=rng.choice(["", "zz"]),
+                ttl_s=rng.choice([-1.0, 0.0, 1e300, 5.0]),
+            ).SerializeToString()
+        ],
+        "CommitPart": [
+            pb.CommitPartRequest(
+                session_id=rng.choice(["nope-nope", "fuzz-session-1"]),
+                rank=rng.choice([-1, 0, 2**62]),
+                sha256="0" * 64,
+            ).SerializeToString()
+        ],
+        "GetSession": [pb.GetSessionRequest(session_id="\x00" * 70).SerializeToString()],
+        "AbortSession": [pb.AbortSessionRequest(session_id="nope-nope").SerializeToString()],
     }
 
 
@@ -207,6 +226,23 @@ def test_grpc_fuzzer(fuzzed: Served) -> None:
                     raise AssertionError("garbage was published")
                 except grpc.RpcError as exc:
                     _check_grpc_error(exc)
+        # The client-streaming session part: garbage, a header for no session, bad data.
+        part = ch.stream_unary("/oldlogit.v1.OldLogit/PublishPart")
+        head = pb.PartChunk(header=pb.PartHeader(session_id="fuzz-session-1", rank=0))
+        junk = pb.PartChunk(data=bytes(rng.randrange(256) for _ in range(300)))
+        for chunks in (
+            [bytes(rng.randrange(256) for _ in range(20))],
+            [junk.SerializeToString()],
+            [head.SerializeToString(), junk.SerializeToString()],
+            [head.SerializeToString(), head.SerializeToString()],
+            [head.SerializeToString()],
+            [],
+        ):
+            count += 1
+            try:
+                part(iter(chunks), timeout=30, metadata=md)
+            except grpc.RpcError as exc:
+                _check_grpc_error(exc)
     FUZZ_COUNTS["grpc"] = count
     print(f"grpc fuzzer: {count} cases, no INTERNAL/UNKNOWN, all coded")
     assert httpx.get(f"{fuzzed.server.http_url}/readyz").status_code == 200

@@ -317,7 +317,7 @@ def test_segment_plans():
 
 
 def test_contraction_detection_of_the_tripwire() -> None:
-    from oldlogit.parity.numerics import _contracted
+    from oldlogit.parity.ops import _contracted
 
     a, b = torch.zeros(2, 3), torch.zeros(3, 4)
     assert _contracted(torch.matmul, (a, b)) == 3

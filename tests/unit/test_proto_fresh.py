@@ -63,7 +63,13 @@ def test_generated_code_imports_and_resolves_inside_the_package() -> None:
         "DeleteLease",
         "GetInfo",
         "ListReplicas",
+        "OpenSession",
+        "PublishPart",
+        "CommitPart",
+        "GetSession",
+        "AbortSession",
     }
+    assert service.methods_by_name["PublishPart"].client_streaming
     assert service.methods_by_name["Publish"].client_streaming
     assert hasattr(pb_grpc, "OldLogitStub") and hasattr(pb_grpc, "add_OldLogitServicer_to_server")
     for f in GENERATED.glob("*.py*"):

@@ -11,7 +11,8 @@ from torch.utils._pytree import tree_flatten
 from oldlogit.parity import tiled_linear, tiled_mm
 from oldlogit.parity.tiles import tile_strategy
 
-SHAPES = [(8, 3), (64, 48), (256, 768), (512, 1536)]  # (K, N): tiny, small, model-like
+# (K, N): a one-output projection (an MoE shared-expert gate), tiny, small, model-like
+SHAPES = [(32, 1), (8, 3), (64, 48), (256, 768), (512, 1536)]
 ROW_COUNTS = [1, 2, 7, 63, 64, 65, 130, 641]  # fewer rows than threads, one tile, many tiles
 
 
@@ -65,11 +66,13 @@ def test_tiles_are_the_same_on_1_2_and_4_threads(dtype):
     assert torch.equal(outs[1], outs[0][:3])
 
 
-def test_strategy_depends_on_device_and_dtype_only():
+def test_strategy_depends_on_device_dtype_and_outputs_only():
     cpu = torch.device("cpu")
     assert tile_strategy(cpu, torch.float32) == "bmm"
     assert tile_strategy(cpu, torch.bfloat16) == "loop"
     assert tile_strategy(torch.device("cuda"), torch.float32) == "loop"
+    # A batched matrix-vector product changes bits with the tile count (16 vs 17 rows).
+    assert tile_strategy(cpu, torch.float32, 1) == "loop"
 
 
 def test_tiled_linear_is_linear():

@@ -1,7 +1,8 @@
 """Attention per sequence over its own unpadded keys, whatever the padding, packing or batch.
 
 In: the segment plan of a batch (which rows of which batch row are one sequence) and HF's
-attention call (query [B, H, T, D], key/value [B, Hkv, T, D]). Out: [B, T, H, D], each
+attention call (query/key [B, H(kv), T, D], value [B, Hkv, T, Dv]; Dv ≠ D in multi-head latent
+attention). Out: [B, T, H, Dv], each
 sequence's rows computed by the same kernel call, on the same shapes, as when that sequence is
 run alone; padding rows are zero. Registered with transformers' ``AttentionInterface`` under
 ``ATTENTION_NAME``; the plan reaches it as the ``oldlogit_segments`` keyword that HF models pass
@@ -137,7 +138,7 @@ def _segment_attention(
     softcap: float | None,
     dropout: float,
 ) -> Tensor:
-    """n sequences of the same length L: q [n, H, L, D], k/v [n, Hkv, L, D] → [n, H, L, D]."""
+    """n sequences of the same length L: q/k [n, H(kv), L, D], v [n, Hkv, L, Dv] → [n, H, L, Dv]."""
     n, heads, length = q.shape[0], q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     if kv_heads != heads:  # grouped-query attention: the same expansion as HF's repeat_kv
@@ -197,6 +198,7 @@ def invariant_attention(
     if key.shape[2] != query.shape[2]:
         raise InvariantNumericsError(f"{name}: a KV cache is not supported in scoring calls")
     batch, heads, length, head_dim = query.shape
+    v_dim = value.shape[-1]  # differs from head_dim in multi-head latent attention (DeepSeek)
     if (segments.batch, segments.length) != (batch, length):
         raise InvariantNumericsError(
             f"{name}: the segment plan is for [{segments.batch}, {segments.length}], "
@@ -206,7 +208,7 @@ def invariant_attention(
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
     p = float(dropout) if module.training else 0.0
-    out = query.new_zeros(batch, length, heads, head_dim)  # [B, T, H, D]; padding rows stay 0
+    out = query.new_zeros(batch, length, heads, v_dim)  # [B, T, H, Dv]; padding rows stay 0
     params = {
         "scaling": scale,
         "sliding_window": int(window) if window is not None else None,
@@ -220,8 +222,8 @@ def invariant_attention(
     # index each (not one copy per sequence).
     q_rows = query.transpose(1, 2).reshape(batch * length, heads, head_dim)
     k_rows = key.transpose(1, 2).reshape(batch * length, key.shape[1], head_dim)
-    v_rows = value.transpose(1, 2).reshape(batch * length, value.shape[1], head_dim)
-    out_rows = out.view(batch * length, heads, head_dim)
+    v_rows = value.transpose(1, 2).reshape(batch * length, value.shape[1], v_dim)
+    out_rows = out.view(batch * length, heads, v_dim)
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         for n, seg_len, idx in segments.groups(share, query.device):
@@ -238,7 +240,7 @@ def invariant_attention(
                 gather(v_rows),
                 **params,  # type: ignore[arg-type]
             )  # [n, H, L, D]
-            out_rows.index_copy_(0, idx, res.transpose(1, 2).reshape(n * seg_len, heads, head_dim))
+            out_rows.index_copy_(0, idx, res.transpose(1, 2).reshape(n * seg_len, heads, v_dim))
     finally:
         _local.depth -= 1
     return out, None

@@ -5,8 +5,12 @@ In: a transformers ``PreTrainedModel`` (a causal LM; DDP's ``.module`` and ``tor
 segments from its attention mask / position ids (``attention.plan_segments``), runs its own
 forward with positions counted per sequence, the invariant attention and a torch-function mode
 that sends every ``F.linear`` (the head too) through fixed-shape tiles (``tiles.tiled_linear``),
-and refuses any other matmul it cannot vouch for (strict mode). A decoder layer's activation
-checkpointing recomputes it under the same mode, so the backward sees the forward's numerics.
+and refuses any other matmul it cannot vouch for (strict mode). Mixture-of-experts layers run
+transformers' eager experts (one ``F.linear`` per expert, so tiled) and route with an explicit
+top-k rule (``stable_topk``: dropless, ties to the lower expert index, descending order), so a
+token's expert choice and its sum over experts never depend on the batch. A decoder layer's
+activation checkpointing recomputes it under the same mode, so the backward sees the forward's
+numerics.
 A call with a KV cache (``generate``) runs the model's own forward: sampling is not scoring.
 On exit (``restore``) the model is exactly as before.
 """
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,25 +26,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from . import attention
 from ._spec import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments
-from .tiles import tiled_linear
+from .ops import TileMode, UncoveredMatmul, stable_topk
 
 __all__ = [
+    "EAGER_EXPERTS",
     "NumericsPatch",
     "UncoveredMatmul",
     "active_patch",
     "head_fp32_override",
     "local_spec",
     "patch_numerics",
+    "stable_topk",
     "trainer_numerics",
     "unwrap_model",
 ]
+
+# transformers' experts implementation that calls ``F.linear`` once per expert (the batched and
+# grouped ones call bmm / grouped_mm, whose rows are not tiled).
+EAGER_EXPERTS = "eager"
+_ = (UncoveredMatmul, stable_topk)  # re-exported: part of this module's public names
 
 _PATCH_ATTR = "_oldlogit_numerics_patch"
 
@@ -49,10 +57,6 @@ _PATCH_ATTR = "_oldlogit_numerics_patch"
 _HEAD_FP32: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "oldlogit_head_fp32", default=None
 )
-
-
-class UncoveredMatmul(InvariantNumericsError):
-    """The model ran a matmul the invariant numerics do not cover (its rows could change bits)."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -74,96 +78,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _contracted(func: Callable[..., Any], args: tuple[Any, ...]) -> int:
-    """The length of the contracted dimension of a matmul-family call (1 = exact products)."""
-    try:
-        if func in (torch.einsum,):
-            equation = str(args[0]).replace(" ", "")
-            inputs, arrow, output = equation.partition("->")
-            letters = re.sub(r"[^a-zA-Z]", "", inputs)
-            if not arrow:  # implicit output: the letters that appear once
-                output = "".join(c for c in letters if letters.count(c) == 1)
-            return 2 if set(letters) - set(output) else 1
-        a = args[0]
-        if func in (torch.addmm, torch.baddbmm, torch.Tensor.addmm, torch.Tensor.baddbmm):
-            a = args[1]
-        if isinstance(a, Tensor) and a.dim() >= 1:
-            return int(a.shape[-1])
-    except (IndexError, TypeError):
-        pass
-    return 2
-
-
-_MATMULS: frozenset[Callable[..., Any]] = frozenset(
-    {
-        torch.matmul,
-        torch.mm,
-        torch.bmm,
-        torch.addmm,
-        torch.baddbmm,
-        torch.einsum,
-        torch.Tensor.matmul,
-        torch.Tensor.__matmul__,
-        torch.Tensor.__rmatmul__,
-        torch.Tensor.mm,
-        torch.Tensor.bmm,
-        torch.Tensor.addmm,
-        torch.Tensor.baddbmm,
-        F.bilinear,
-        F.scaled_dot_product_attention,
-    }
-)
-
-
-class _TileMode(TorchFunctionMode):
-    """Sends ``F.linear`` through tiles; with ``strict`` refuses other non-trivial matmuls.
-
-    ``tile_rows=None`` tiles nothing (the plain profile): the mode then only casts the head to
-    float32 when asked.
-    """
-
-    def __init__(self, patch: NumericsPatch | None, head_weight: Tensor | None, fp32: bool):
-        super().__init__()
-        self.tile_rows = patch.tile_rows if patch is not None else None
-        self.strict = patch.strict if patch is not None else False
-        self.head_weight = head_weight
-        self.head_fp32 = fp32
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x: Tensor = args[0] if len(args) > 0 else kwargs["input"]
-            weight: Tensor = args[1] if len(args) > 1 else kwargs["weight"]
-            bias: Tensor | None = args[2] if len(args) > 2 else kwargs.get("bias")
-            if self.head_fp32 and weight is self.head_weight:
-                # fp32 head: hidden states and head weight cast before the projection.
-                x = x.float()
-                weight = weight.float()
-                bias = None if bias is None else bias.float()
-            if self.tile_rows is None:
-                return F.linear(x, weight, bias)
-            return tiled_linear(x, weight, bias, tile_rows=self.tile_rows)
-        if (
-            self.strict
-            and func in _MATMULS
-            and not attention.in_attention()
-            and _contracted(func, args) > 1
-        ):
-            shapes = [list(a.shape) for a in args if isinstance(a, Tensor)]
-            raise UncoveredMatmul(
-                f"{getattr(func, '__name__', func)} on {shapes} runs outside oldlogit's tiles: "
-                "its rows could change bits with the batch. This model is not supported under "
-                "trainer_numerics (strict=False runs it anyway, without the guarantee)"
-            )
-        return func(*args, **kwargs)
-
-
 _mode_depth = threading.local()
 
 
@@ -173,10 +87,11 @@ def _tile_mode(patch: NumericsPatch | None, head: nn.Module | None, fp32: bool) 
     if getattr(_mode_depth, "n", 0) > 0:
         yield
         return
-    head_weight = getattr(head, "weight", None) if head is not None else None
     _mode_depth.n = 1
     try:
-        with _TileMode(patch, head_weight, fp32):
+        tile_rows = patch.tile_rows if patch is not None else None
+        strict = patch.strict if patch is not None else False
+        with TileMode(tile_rows, strict, head, fp32):
             yield
     finally:
         _mode_depth.n = 0
@@ -325,6 +240,13 @@ def patch_numerics(
         cfg._attn_implementation_internal = ATTENTION_NAME
         patch._plain_attention.append((cfg, old))
         patch._restore.append(functools.partial(setattr, cfg, "_attn_implementation_internal", old))
+        if hasattr(cfg, "_experts_implementation_internal"):
+            # Experts: one F.linear per expert (tiled); grouped/batched kernels are not.
+            old_experts = cfg._experts_implementation_internal
+            cfg._experts_implementation_internal = EAGER_EXPERTS
+            patch._restore.append(
+                functools.partial(setattr, cfg, "_experts_implementation_internal", old_experts)
+            )
 
     def _set_forward(module: nn.Module, new: Callable[..., Any]) -> None:
         had = "forward" in module.__dict__

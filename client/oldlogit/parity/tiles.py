@@ -8,8 +8,11 @@ number of rows, its place in its tile, or what the other rows hold. A plain ``F.
 not have that property (CPU kernels are picked by the row count; measured in
 tests/unit/test_tiles.py).
 
-How the tiles run depends on (device, dtype) only, never on the number of rows:
-- CPU float32: one ``bmm`` over a [tiles, T, K] view and a stride-0 view of the weight;
+How the tiles run depends on (device, dtype, N) only, never on the number of rows:
+- CPU float32, N > 1: one ``bmm`` over a [tiles, T, K] view and a stride-0 view of the weight;
+  N == 1 (a one-output projection such as Qwen2-MoE's shared-expert gate) loops like bf16,
+  because a batched matrix-vector product's bits change with the number of tiles (measured:
+  16 vs 17 rows at tile 16, tests/unit/test_tiles.py);
 - CPU bfloat16/float16: one ``mm`` per tile into a preallocated output (``bmm`` in bf16 is
   several times slower than ``mm`` on CPU);
 - CUDA: one ``mm`` per tile (one cuBLAS shape; a batched call's kernel may depend on the
@@ -32,9 +35,10 @@ __all__ = ["TileStrategy", "tile_strategy", "tiled_linear", "tiled_mm"]
 TileStrategy = Literal["bmm", "loop"]
 
 
-def tile_strategy(device: torch.device, dtype: torch.dtype) -> TileStrategy:
-    """How tiles run on ``device`` for ``dtype``; see the module docstring."""
-    if device.type == "cpu" and dtype == torch.float32:
+def tile_strategy(device: torch.device, dtype: torch.dtype, n_out: int = 2) -> TileStrategy:
+    """How tiles of ``n_out`` outputs run on ``device`` for ``dtype``; see the module
+    docstring."""
+    if device.type == "cpu" and dtype == torch.float32 and n_out > 1:
         return "bmm"
     return "loop"
 
@@ -61,7 +65,7 @@ def tiled_mm(
         padded = x.new_zeros(rows, k)  # [rows, K], zero rows past M
         padded[:m] = x
     w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
-    if tile_strategy(x.device, x.dtype) == "bmm":
+    if tile_strategy(x.device, x.dtype, n_out) == "bmm":
         a = padded.view(tiles, tile_rows, k)
         b = w_t.unsqueeze(0).expand(tiles, k, n_out)
         if bias is None:

@@ -42,6 +42,10 @@ _WRITE_METHODS = {
     "SetWatermark",
     "CreateLease",
     "DeleteLease",
+    "OpenSession",
+    "PublishPart",
+    "CommitPart",
+    "AbortSession",
 }
 
 
@@ -192,20 +196,23 @@ def _refusal(handler: grpc.RpcMethodHandler, err: OldLogitError) -> grpc.RpcMeth
     )
 
 
-async def _publish_stream(stream: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[bytes]]:
-    """The header of a Publish stream (its first message) and its data chunks."""
+async def _split_stream(
+    stream: AsyncIterator[Any], what: str = "publish"
+) -> tuple[Any, AsyncIterator[bytes]]:
+    """The header of an upload stream (Publish, PublishPart: its first message) and its data
+    chunks."""
     it = stream.__aiter__()
     try:
         first = await it.__anext__()
     except StopAsyncIteration:
-        raise InvalidRequest("the publish stream is empty", parameter="header") from None
+        raise InvalidRequest(f"the {what} stream is empty", parameter="header") from None
     if not first.HasField("header"):
-        raise InvalidRequest("the first publish chunk must carry the header", parameter="header")
+        raise InvalidRequest(f"the first {what} chunk must carry the header", parameter="header")
 
     async def data() -> AsyncIterator[bytes]:
         async for chunk in it:
             if chunk.HasField("header"):
-                raise InvalidRequest("the publish stream holds two headers", parameter="header")
+                raise InvalidRequest(f"the {what} stream holds two headers", parameter="header")
             yield chunk.data
 
     return first.header, data()
@@ -236,7 +243,7 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         return pb.DeleteVersionResponse(policy_version=request.policy_version)
 
     async def Publish(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
-        header, data = await _publish_stream(request_iterator)
+        header, data = await _split_stream(request_iterator)
         res = await self._rt.publish_stream(
             header.policy_version,
             data,
@@ -268,6 +275,34 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
     async def DeleteLease(self, request: Any, context: Any) -> Any:
         await self._rt.release_lease(request.lease_id)
         return pb.DeleteLeaseResponse(lease_id=request.lease_id)
+
+    # multi-rank publish sessions (README "Publishing from several ranks")
+    async def OpenSession(self, request: Any, context: Any) -> Any:
+        info = await self._rt.open_session(
+            request.session_id,
+            request.policy_version,
+            request.members,
+            delta=request.delta,
+            parent=request.parent if request.HasField("parent") else None,
+            sha256=request.sha256 or None,
+            ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
+        )
+        return convert.to_proto(info)
+
+    async def PublishPart(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        header, data = await _split_stream(request_iterator, "part")
+        info = await self._rt.stage_part(header.session_id, header.rank, data, parameter="data")
+        return convert.to_proto(info)
+
+    async def CommitPart(self, request: Any, context: Any) -> Any:
+        info = await self._rt.commit_part(request.session_id, request.rank, request.sha256)
+        return convert.to_proto(info)
+
+    async def GetSession(self, request: Any, context: Any) -> Any:
+        return convert.to_proto(await self._rt.get_session(request.session_id))
+
+    async def AbortSession(self, request: Any, context: Any) -> Any:
+        return convert.to_proto(await self._rt.abort_session(request.session_id))
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
         return convert.info_to_proto(await self._rt.info())

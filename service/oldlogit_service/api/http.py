@@ -31,6 +31,7 @@ from oldlogit.errors import (
 )
 from oldlogit.types import MAX_VERSION, Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
 from oldlogit_service import __version__
+from oldlogit_service.api.sessions_http import session_routes
 from oldlogit_service.api.status_page import render_status_page
 from oldlogit_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from oldlogit_service.runtime import Runtime
@@ -313,4 +314,5 @@ def create_app(rt: Runtime) -> FastAPI:
     async def status_page() -> HTMLResponse:
         return HTMLResponse(await rt.status_page(render_status_page))
 
+    app.include_router(session_routes(rt))  # multi-rank publish sessions
     return app

@@ -793,6 +793,68 @@ class Info(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class WeightSpecsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TensorInfo: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TensorInfo | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class TiedWeightsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class WeightSourcesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___SourceInfo: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___SourceInfo | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_TYPE_FIELD_NUMBER: _builtins.int
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -812,6 +874,10 @@ class Info(_message.Message):
     THREADS_FIELD_NUMBER: _builtins.int
     LM_HEAD_FP32_FIELD_NUMBER: _builtins.int
     ATTENTION_FIELD_NUMBER: _builtins.int
+    WEIGHT_SPECS_FIELD_NUMBER: _builtins.int
+    TIED_WEIGHTS_FIELD_NUMBER: _builtins.int
+    WEIGHT_SOURCES_FIELD_NUMBER: _builtins.int
+    IGNORED_WEIGHTS_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -856,6 +922,24 @@ class Info(_message.Message):
     def versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Retained versions, ascending (packed)."""
 
+    @_builtins.property
+    def weight_specs(self) -> _containers.MessageMap[_builtins.str, Global___TensorInfo]:
+        """A version's weights by canonical name (parameters without tied duplicates, and the
+        persistent buffers the forward reads): safetensors dtype and shape of each.
+        """
+
+    @_builtins.property
+    def tied_weights(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The model's tie table: a name a state dict also holds → the canonical weight it is tied to."""
+
+    @_builtins.property
+    def weight_sources(self) -> _containers.MessageMap[_builtins.str, Global___SourceInfo]:
+        """Canonical weights a hub checkpoint holds under other names (one tensor per expert, renames)."""
+
+    @_builtins.property
+    def ignored_weights(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Buffers a checkpoint may hold that are not weights (computed from the config): ignored."""
+
     def __init__(
         self,
         *,
@@ -878,10 +962,14 @@ class Info(_message.Message):
         threads: _builtins.int = ...,
         lm_head_fp32: _builtins.bool = ...,
         attention: _builtins.str = ...,
+        weight_specs: _abc.Mapping[_builtins.str, Global___TensorInfo] | None = ...,
+        tied_weights: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        weight_sources: _abc.Mapping[_builtins.str, Global___SourceInfo] | None = ...,
+        ignored_weights: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "server_version", b"server_version", "threads", b"threads", "tile_rows", b"tile_rows", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015
@@ -897,6 +985,64 @@ class Info(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__watermark) -> _WhichOneofReturnType__watermark | None: ...
 
 Global___Info: _TypeAlias = Info  # noqa: Y015
+
+@_typing.final
+class TensorInfo(_message.Message):
+    """One weight tensor of the model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    dtype: _builtins.str
+    """Safetensors dtype name, e.g. "BF16", "F32"."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's shape."""
+
+    def __init__(
+        self,
+        *,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorInfo: _TypeAlias = TensorInfo  # noqa: Y015
+
+@_typing.final
+class SourceInfo(_message.Message):
+    """Where a hub checkpoint keeps a canonical weight: its rows are those of the tensors named by
+    each template with "{expert}" replaced by e, for e in [0, count), templates in order per e.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATES_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """Number of experts (1: the templates are plain names, e.g. a rename)."""
+    @_builtins.property
+    def templates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tensor name templates; "{expert}" stands for the expert index."""
+
+    def __init__(
+        self,
+        *,
+        templates: _abc.Iterable[_builtins.str] | None = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "templates", b"templates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SourceInfo: _TypeAlias = SourceInfo  # noqa: Y015
 
 @_typing.final
 class ListReplicasRequest(_message.Message):
@@ -978,3 +1124,281 @@ class ListReplicasResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListReplicasResponse: _TypeAlias = ListReplicasResponse  # noqa: Y015
+
+@_typing.final
+class OpenSessionRequest(_message.Message):
+    """Opens a multi-rank publish session (README "Publishing from several ranks")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """Chosen by the opener: 8-64 characters of A-Z a-z 0-9 _ -."""
+    policy_version: _builtins.int
+    """The version the session publishes."""
+    members: _builtins.int
+    """Number of ranks; each sends one part."""
+    delta: _builtins.bool
+    """True when the parts hold deltas against `parent`."""
+    parent: _builtins.int
+    """The version the deltas apply to (delta sessions only)."""
+    sha256: _builtins.str
+    """The whole version's expected sha256 (hex), if the caller knows it; empty: none."""
+    ttl_s: _builtins.float
+    """Idle seconds before the session is aborted; unset: 600."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        members: _builtins.int = ...,
+        delta: _builtins.bool = ...,
+        parent: _builtins.int | None = ...,
+        sha256: _builtins.str = ...,
+        ttl_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_ttl_s", b"_ttl_s", "parent", b"parent", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_ttl_s", b"_ttl_s", "delta", b"delta", "members", b"members", "parent", b"parent", "policy_version", b"policy_version", "session_id", b"session_id", "sha256", b"sha256", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
+    _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    _WhichOneofReturnType__ttl_s: _TypeAlias = _typing.Literal["ttl_s"]  # noqa: Y015
+    _WhichOneofArgType__ttl_s: _TypeAlias = _typing.Literal["_ttl_s", b"_ttl_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttl_s) -> _WhichOneofReturnType__ttl_s | None: ...
+
+Global___OpenSessionRequest: _TypeAlias = OpenSessionRequest  # noqa: Y015
+
+@_typing.final
+class PartHeader(_message.Message):
+    """Which session and rank a part belongs to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    rank: _builtins.int
+    """The rank sending the part, in [0, members)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartHeader: _TypeAlias = PartHeader  # noqa: Y015
+
+@_typing.final
+class PartChunk(_message.Message):
+    """One message of a PublishPart stream: the header first, then data chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The next bytes of the part's safetensors file."""
+    @_builtins.property
+    def header(self) -> Global___PartHeader:
+        """The first message only."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PartHeader | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "data"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___PartChunk: _TypeAlias = PartChunk  # noqa: Y015
+
+@_typing.final
+class CommitPartRequest(_message.Message):
+    """Commits a staged part."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    rank: _builtins.int
+    """The rank whose part is committed."""
+    sha256: _builtins.str
+    """The rank's own hash of its part (the weight-hash format over its tensors)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "session_id", b"session_id", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitPartRequest: _TypeAlias = CommitPartRequest  # noqa: Y015
+
+@_typing.final
+class GetSessionRequest(_message.Message):
+    """Names a session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSessionRequest: _TypeAlias = GetSessionRequest  # noqa: Y015
+
+@_typing.final
+class AbortSessionRequest(_message.Message):
+    """Names the session to abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortSessionRequest: _TypeAlias = AbortSessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionInfo(_message.Message):
+    """A publish session's state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PartsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session's id."""
+    policy_version: _builtins.int
+    """The version it publishes."""
+    members: _builtins.int
+    """Number of ranks."""
+    delta: _builtins.bool
+    """True for a delta session."""
+    parent: _builtins.int
+    """The deltas' parent version."""
+    state: _builtins.str
+    """"open", "published", "failed" or "aborted"."""
+    error: _builtins.str
+    """Why the session failed or was aborted."""
+    expires_in_s: _builtins.float
+    """Idle seconds left before it is aborted."""
+    @_builtins.property
+    def committed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ranks whose part is committed, ascending."""
+
+    @_builtins.property
+    def parts(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """The service's hash of each staged or committed part, by rank."""
+
+    @_builtins.property
+    def result(self) -> Global___PublishResult:
+        """The published version, once published."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        members: _builtins.int = ...,
+        delta: _builtins.bool = ...,
+        parent: _builtins.int | None = ...,
+        state: _builtins.str = ...,
+        committed: _abc.Iterable[_builtins.int] | None = ...,
+        parts: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
+        result: Global___PublishResult | None = ...,
+        error: _builtins.str = ...,
+        expires_in_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_result", b"_result", "parent", b"parent", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_result", b"_result", "committed", b"committed", "delta", b"delta", "error", b"error", "expires_in_s", b"expires_in_s", "members", b"members", "parent", b"parent", "parts", b"parts", "policy_version", b"policy_version", "result", b"result", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
+    _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    _WhichOneofReturnType__result: _TypeAlias = _typing.Literal["result"]  # noqa: Y015
+    _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
+
+Global___SessionInfo: _TypeAlias = SessionInfo  # noqa: Y015

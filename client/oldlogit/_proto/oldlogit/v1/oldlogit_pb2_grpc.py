@@ -91,6 +91,31 @@ class OldLogitStub:
                 request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/oldlogit.v1.OldLogit/OpenSession',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.PublishPart = channel.stream_unary(
+                '/oldlogit.v1.OldLogit/PublishPart',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.PartChunk.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.CommitPart = channel.unary_unary(
+                '/oldlogit.v1.OldLogit/CommitPart',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.CommitPartRequest.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/oldlogit.v1.OldLogit/GetSession',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.AbortSession = channel.unary_unary(
+                '/oldlogit.v1.OldLogit/AbortSession',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.AbortSessionRequest.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+                _registered_method=True)
 
 
 class OldLogitServicer:
@@ -175,6 +200,42 @@ class OldLogitServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """Opens a multi-rank publish session (idempotent for the same id and parameters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishPart(self, request_iterator, context):
+        """Stages one rank's part of a session: the first chunk carries the header, then the bytes
+        of one safetensors file. Answers the service's hash of the part.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPart(self, request, context):
+        """Commits a staged part with the rank's own hash; the last commit publishes the version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """A session's state: open, published (with the version), failed or aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortSession(self, request, context):
+        """Aborts a session: its parts are dropped and nothing is published.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OldLogitServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +293,31 @@ def add_OldLogitServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasRequest.FromString,
                     response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.OpenSessionRequest.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.SerializeToString,
+            ),
+            'PublishPart': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishPart,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.PartChunk.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.SerializeToString,
+            ),
+            'CommitPart': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitPart,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.CommitPartRequest.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.GetSessionRequest.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.SerializeToString,
+            ),
+            'AbortSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSession,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.AbortSessionRequest.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +618,141 @@ class OldLogit:
             '/oldlogit.v1.OldLogit/ListReplicas',
             oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasRequest.SerializeToString,
             oldlogit_dot_v1_dot_oldlogit__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oldlogit.v1.OldLogit/OpenSession',
+            oldlogit_dot_v1_dot_oldlogit__pb2.OpenSessionRequest.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishPart(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/oldlogit.v1.OldLogit/PublishPart',
+            oldlogit_dot_v1_dot_oldlogit__pb2.PartChunk.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oldlogit.v1.OldLogit/CommitPart',
+            oldlogit_dot_v1_dot_oldlogit__pb2.CommitPartRequest.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oldlogit.v1.OldLogit/GetSession',
+            oldlogit_dot_v1_dot_oldlogit__pb2.GetSessionRequest.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oldlogit.v1.OldLogit/AbortSession',
+            oldlogit_dot_v1_dot_oldlogit__pb2.AbortSessionRequest.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,

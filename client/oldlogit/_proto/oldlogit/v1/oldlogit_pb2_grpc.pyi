@@ -69,6 +69,18 @@ class OldLogitStub:
     """The model architecture, numerics, limits and modes of the deployment."""
     ListReplicas: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.ListReplicasRequest, _oldlogit_pb2.ListReplicasResponse]
     """The live replicas of the deployment (scale-out discovery; empty without Redis)."""
+    OpenSession: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.OpenSessionRequest, _oldlogit_pb2.SessionInfo]
+    """Opens a multi-rank publish session (idempotent for the same id and parameters)."""
+    PublishPart: _grpc.StreamUnaryMultiCallable[_oldlogit_pb2.PartChunk, _oldlogit_pb2.SessionInfo]
+    """Stages one rank's part of a session: the first chunk carries the header, then the bytes
+    of one safetensors file. Answers the service's hash of the part.
+    """
+    CommitPart: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.CommitPartRequest, _oldlogit_pb2.SessionInfo]
+    """Commits a staged part with the rank's own hash; the last commit publishes the version."""
+    GetSession: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.GetSessionRequest, _oldlogit_pb2.SessionInfo]
+    """A session's state: open, published (with the version), failed or aborted."""
+    AbortSession: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.AbortSessionRequest, _oldlogit_pb2.SessionInfo]
+    """Aborts a session: its parts are dropped and nothing is published."""
 
 @_typing.type_check_only
 class OldLogitAsyncStub(OldLogitStub):
@@ -99,6 +111,18 @@ class OldLogitAsyncStub(OldLogitStub):
     """The model architecture, numerics, limits and modes of the deployment."""
     ListReplicas: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.ListReplicasRequest, _oldlogit_pb2.ListReplicasResponse]  # type: ignore[assignment]
     """The live replicas of the deployment (scale-out discovery; empty without Redis)."""
+    OpenSession: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.OpenSessionRequest, _oldlogit_pb2.SessionInfo]  # type: ignore[assignment]
+    """Opens a multi-rank publish session (idempotent for the same id and parameters)."""
+    PublishPart: _aio.StreamUnaryMultiCallable[_oldlogit_pb2.PartChunk, _oldlogit_pb2.SessionInfo]  # type: ignore[assignment]
+    """Stages one rank's part of a session: the first chunk carries the header, then the bytes
+    of one safetensors file. Answers the service's hash of the part.
+    """
+    CommitPart: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.CommitPartRequest, _oldlogit_pb2.SessionInfo]  # type: ignore[assignment]
+    """Commits a staged part with the rank's own hash; the last commit publishes the version."""
+    GetSession: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.GetSessionRequest, _oldlogit_pb2.SessionInfo]  # type: ignore[assignment]
+    """A session's state: open, published (with the version), failed or aborted."""
+    AbortSession: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.AbortSessionRequest, _oldlogit_pb2.SessionInfo]  # type: ignore[assignment]
+    """Aborts a session: its parts are dropped and nothing is published."""
 
 class OldLogitServicer(metaclass=_abc_1.ABCMeta):
     """The old-logit service: exact training-side logprobs of any retained policy version."""
@@ -192,5 +216,47 @@ class OldLogitServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_oldlogit_pb2.ListReplicasResponse, _abc.Awaitable[_oldlogit_pb2.ListReplicasResponse]]:
         """The live replicas of the deployment (scale-out discovery; empty without Redis)."""
+
+    @_abc_1.abstractmethod
+    def OpenSession(
+        self,
+        request: _oldlogit_pb2.OpenSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.SessionInfo, _abc.Awaitable[_oldlogit_pb2.SessionInfo]]:
+        """Opens a multi-rank publish session (idempotent for the same id and parameters)."""
+
+    @_abc_1.abstractmethod
+    def PublishPart(
+        self,
+        request_iterator: _MaybeAsyncIterator[_oldlogit_pb2.PartChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.SessionInfo, _abc.Awaitable[_oldlogit_pb2.SessionInfo]]:
+        """Stages one rank's part of a session: the first chunk carries the header, then the bytes
+        of one safetensors file. Answers the service's hash of the part.
+        """
+
+    @_abc_1.abstractmethod
+    def CommitPart(
+        self,
+        request: _oldlogit_pb2.CommitPartRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.SessionInfo, _abc.Awaitable[_oldlogit_pb2.SessionInfo]]:
+        """Commits a staged part with the rank's own hash; the last commit publishes the version."""
+
+    @_abc_1.abstractmethod
+    def GetSession(
+        self,
+        request: _oldlogit_pb2.GetSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.SessionInfo, _abc.Awaitable[_oldlogit_pb2.SessionInfo]]:
+        """A session's state: open, published (with the version), failed or aborted."""
+
+    @_abc_1.abstractmethod
+    def AbortSession(
+        self,
+        request: _oldlogit_pb2.AbortSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.SessionInfo, _abc.Awaitable[_oldlogit_pb2.SessionInfo]]:
+        """Aborts a session: its parts are dropped and nothing is published."""
 
 def add_OldLogitServicer_to_server(servicer: OldLogitServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,152 @@
+"""TRL: a ``GRPOTrainer`` whose π_old comes from an oldlogit service.
+
+In: TRL's ``GRPOTrainer`` arguments plus ``oldlogit=Client(...)``. While it trains:
+- every optimizer step's weights are published as version ``first_version + global_step`` (a
+  delta against the previous step; ``first_version`` holds the starting weights), so the
+  weights each batch of samples is generated with are a version the service holds;
+- each generated batch's ``old_per_token_logps`` is the service's π_old at the version it was
+  generated with (``Client.logprobs_padded`` on TRL's prompt + completion layout, at TRL's
+  temperature) — also for the steps that reuse those samples after the weights moved on
+  (``steps_per_generation``/``num_iterations`` > 1), where TRL alone would recompute or skip;
+- π_θ is ``oldlogit.parity.token_logprobs`` with the model patched for the whole run
+  (``patch_numerics``, the service's numerics via ``like=``), so at zero staleness
+  π_θ / π_old is exactly 1 and later the ratio measures staleness only.
+``patch=False`` keeps TRL's own π_θ (then the ratio also holds the numerics gap). Imports trl
+and torch (this module only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import trl
+from transformers import TrainerCallback
+
+from oldlogit.parity import patch_numerics, token_logprobs
+
+__all__ = ["OldLogitGRPOTrainer"]
+
+
+class _PublishEachStep(TrainerCallback):
+    def __init__(self, trainer: OldLogitGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.publish_weights()
+
+
+class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
+    """``trl.GRPOTrainer`` with π_old from the service; see the module docstring.
+
+    ``oldlogit``: the ``Client`` (a write token if the service needs one). ``first_version``:
+    the version of the starting weights (versions only grow: start past what the service
+    already holds). ``patch``: run π_θ under the service's numerics. ``cast``: publish
+    floating weights in the serving dtype (e.g. float32 masters to a bfloat16 service).
+    ``watermark_lag``: after each generation, tell the service it will never be asked below
+    ``version - watermark_lag`` (None: never).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        oldlogit: Any,
+        first_version: int = 0,
+        patch: bool = True,
+        cast: bool = False,
+        watermark_lag: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.oldlogit = oldlogit
+        self.first_version = first_version
+        self.oldlogit_cast = cast
+        self.watermark_lag = watermark_lag
+        self.numerics = (
+            patch_numerics(self.model, like=oldlogit.info().numerics_spec()) if patch else None
+        )
+        self.published_version = -1
+        self.generated_version = -1  # the version the buffered samples were generated with
+        self.add_callback(_PublishEachStep(self))
+        self.publish_weights()
+
+    def publish_weights(self) -> None:
+        """Publish the current weights as version ``first_version + global_step`` (once)."""
+        version = self.first_version + int(self.state.global_step)
+        if version <= self.published_version:
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        self.oldlogit.publish(
+            version, state, delta=True, fallback_full=True, cast=self.oldlogit_cast
+        )
+        self.published_version = version
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        if self.numerics is None or any(v is not None for v in kwargs.values()):
+            return super()._get_per_token_logps_and_entropies(  # type: ignore[no-any-return]
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **kwargs,
+            )
+        logps = token_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep=logits_to_keep,
+            temperature=self.temperature,
+        )
+        entropies = aux = None
+        if compute_entropy or compute_aux_loss:
+            # Not part of the ratio: TRL's own head (a fused chunked matmul the strict patch
+            # would refuse) over the patched decoder; detached statistics only.
+            strict, self.numerics.strict = self.numerics.strict, False
+            try:
+                with torch.set_grad_enabled(compute_aux_loss and torch.is_grad_enabled()):
+                    _, entropies, aux = super()._get_per_token_logps_and_entropies(
+                        model,
+                        input_ids,
+                        attention_mask,
+                        logits_to_keep,
+                        batch_size,
+                        compute_entropy,
+                        compute_aux_loss,
+                    )
+            finally:
+                self.numerics.strict = strict
+        return logps, entropies, aux
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        self.publish_weights()  # the weights these samples are generated with
+        version = self.published_version
+        out: dict[str, Any] = super()._generate_and_score_completions(inputs)
+        prompt_ids, comp_ids = out["prompt_ids"], out["completion_ids"]
+        width = prompt_ids.shape[1]
+        served = self.oldlogit.logprobs_padded(
+            torch.cat([prompt_ids, comp_ids], 1),
+            torch.cat([out["prompt_mask"], out["completion_mask"]], 1),
+            score_from=width,
+            policy_version=version,
+            temperature=self.temperature,
+            use_cache=False,
+        )
+        out["old_per_token_logps"] = served.logprobs[:, width:].to(comp_ids.device)
+        self.generated_version = version
+        if self.watermark_lag is not None and version - self.watermark_lag > 0:
+            self.oldlogit.set_watermark(version - self.watermark_lag)
+        return out

@@ -1,0 +1,228 @@
+"""Op-level rules of the invariant numerics: what each torch call becomes under the patch.
+
+In: every torch function call a patched model makes (a ``TorchFunctionMode``). Out: the same
+call made batch-invariant, or refused:
+- ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``), the head optionally in
+  float32;
+- ``torch.topk`` follows one explicit rule (``stable_topk``), so MoE routing picks the same
+  experts, in the same order, whatever the batch;
+- pointwise transcendental ops on CPU (sigmoid, SiLU, GELU, tanh, exp, …) run on contiguous,
+  64-aligned blocks of at most one thread's grain: torch's CPU loops compute the elements of a
+  vector body and of a scalar tail with different code, and which elements fall in a tail
+  depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
+  GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py);
+- any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode).
+Must not know about models, segments or the service.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from . import attention
+from .attention import InvariantNumericsError
+from .tiles import tiled_linear
+
+__all__ = ["POINTWISE_BLOCK", "TileMode", "UncoveredMatmul", "blockwise", "stable_topk"]
+
+# Elements per pointwise call: a multiple of every CPU vector body (no scalar tail) and at most
+# torch's parallel grain (32768), so one thread computes the block and never splits it.
+POINTWISE_BLOCK = 32768
+_ALIGN = 64
+
+
+class UncoveredMatmul(InvariantNumericsError):
+    """The model ran a matmul the invariant numerics do not cover (its rows could change bits)."""
+
+
+def _contracted(func: Callable[..., Any], args: tuple[Any, ...]) -> int:
+    """The length of the contracted dimension of a matmul-family call (1 = exact products)."""
+    try:
+        if func in (torch.einsum,):
+            equation = str(args[0]).replace(" ", "")
+            inputs, arrow, output = equation.partition("->")
+            letters = re.sub(r"[^a-zA-Z]", "", inputs)
+            if not arrow:  # implicit output: the letters that appear once
+                output = "".join(c for c in letters if letters.count(c) == 1)
+            return 2 if set(letters) - set(output) else 1
+        a = args[0]
+        if func in (torch.addmm, torch.baddbmm, torch.Tensor.addmm, torch.Tensor.baddbmm):
+            a = args[1]
+        if isinstance(a, Tensor) and a.dim() >= 1:
+            return int(a.shape[-1])
+    except (IndexError, TypeError):
+        pass
+    return 2
+
+
+_MATMULS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.matmul,
+        torch.mm,
+        torch.bmm,
+        torch.addmm,
+        torch.baddbmm,
+        torch.einsum,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.Tensor.__rmatmul__,
+        torch.Tensor.mm,
+        torch.Tensor.bmm,
+        torch.Tensor.addmm,
+        torch.Tensor.baddbmm,
+        F.bilinear,
+        F.scaled_dot_product_attention,
+        *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f),
+    }
+)
+_TOPKS: frozenset[Callable[..., Any]] = frozenset({torch.topk, torch.Tensor.topk})
+
+# Unary pointwise functions whose CPU vector and scalar code may round differently.
+_POINTWISE: frozenset[Callable[..., Any]] = frozenset(
+    {
+        F.silu,
+        F.gelu,
+        F.mish,
+        F.softplus,
+        F.elu,
+        F.selu,
+        F.celu,
+        F.logsigmoid,
+        F.hardswish,
+        *(
+            f
+            for name in (
+                "sigmoid",
+                "tanh",
+                "exp",
+                "expm1",
+                "log",
+                "log1p",
+                "erf",
+                "cos",
+                "sin",
+                "rsqrt",
+                "sqrt",
+                "pow",
+                "reciprocal",
+            )
+            for f in (getattr(torch, name), getattr(torch.Tensor, name))
+        ),
+        torch.Tensor.__pow__,
+    }
+)
+
+
+def stable_topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
+    """``torch.topk`` with an explicit rule: values in descending (``largest``) order, ties to
+    the lower index. A stable sort of the row, cut at k: per row, exact, and independent of the
+    other rows and of the kernel torch would pick for the batch's shape (``sorted`` is moot:
+    the result is always sorted). Returns ``torch.return_types.topk`` like ``torch.topk``.
+    """
+    values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def _topk_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, int, int, bool]:
+    names = ("input", "k", "dim", "largest", "sorted")
+    bound = {**dict(zip(names, args, strict=False)), **kwargs}
+    dim = int(bound.get("dim", -1))
+    return bound["input"], int(bound["k"]), dim, bool(bound.get("largest", True))
+
+
+def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) -> Tensor:
+    """``func(x, *rest, **kwargs)`` elementwise over x, computed on contiguous blocks of
+    ``POINTWISE_BLOCK`` elements (the last one zero-padded to a multiple of 64), so every
+    element goes through the same vector code whatever the tensor's size. An ``inplace=True``
+    call writes the result back into x."""
+    inplace = bool(kwargs.pop("inplace", False))
+    n = x.numel()
+    flat = x.reshape(-1)
+    padded = -(-n // _ALIGN) * _ALIGN
+    if padded != n:
+        flat = torch.cat([flat, flat.new_zeros(padded - n)])
+    parts = [
+        func(flat[i : i + POINTWISE_BLOCK], *rest, **kwargs)
+        for i in range(0, padded, POINTWISE_BLOCK)
+    ]
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts))[:n].view(x.shape)
+    if inplace:
+        with torch.no_grad():
+            x.copy_(out)
+        return x
+    return out
+
+
+class TileMode(TorchFunctionMode):
+    """The rules of the module docstring. ``tile_rows=None`` (the plain profile) changes
+    nothing but the head's dtype when ``fp32`` asks for it."""
+
+    def __init__(
+        self, tile_rows: int | None, strict: bool, head: nn.Module | None, fp32: bool
+    ) -> None:
+        super().__init__()
+        self.tile_rows = tile_rows
+        self.strict = strict
+        # The head module, not its weight: under ``functional_call`` the weight it holds is
+        # swapped in after the mode is entered.
+        self.head = head
+        self.head_fp32 = fp32
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x: Tensor = args[0] if len(args) > 0 else kwargs["input"]
+            weight: Tensor = args[1] if len(args) > 1 else kwargs["weight"]
+            bias: Tensor | None = args[2] if len(args) > 2 else kwargs.get("bias")
+            if self.head_fp32 and weight is getattr(self.head, "weight", None):
+                # fp32 head: hidden states and head weight cast before the projection.
+                x = x.float()
+                weight = weight.float()
+                bias = None if bias is None else bias.float()
+            if self.tile_rows is None:
+                return F.linear(x, weight, bias)
+            return tiled_linear(x, weight, bias, tile_rows=self.tile_rows)
+        if self.tile_rows is None:
+            return func(*args, **kwargs)
+        if func in _TOPKS:
+            x, k, dim, largest = _topk_args(args, kwargs)
+            return stable_topk(x, k, dim, largest)
+        if func in _POINTWISE and _cpu_float(args):
+            return blockwise(func, *args, **kwargs)
+        if (
+            self.strict
+            and func in _MATMULS
+            and not attention.in_attention()
+            and _contracted(func, args) > 1
+        ):
+            shapes = [list(a.shape) for a in args if isinstance(a, Tensor)]
+            raise UncoveredMatmul(
+                f"{getattr(func, '__name__', func)} on {shapes} runs outside oldlogit's tiles: "
+                "its rows could change bits with the batch. This model is not supported under "
+                "trainer_numerics (strict=False runs it anyway, without the guarantee)"
+            )
+        return func(*args, **kwargs)
+
+
+def _cpu_float(args: tuple[Any, ...]) -> bool:
+    x = args[0] if args else None
+    return (
+        isinstance(x, Tensor)
+        and x.device.type == "cpu"
+        and x.is_floating_point()
+        and x.numel() > 0
+        and not any(isinstance(a, Tensor) and a.numel() > 1 for a in args[1:])
+    )

@@ -1,0 +1,100 @@
+"""Op-level rules of the invariant numerics (oldlogit.parity.ops): routing, pointwise, tripwire.
+
+MoE routing picks experts by one explicit top-k rule (ties to the lower index, descending
+order), pointwise transcendental ops give an element the same bits whatever the tensor's size,
+and the grouped/batched expert kernels — whose rows are not tiled — are refused in strict mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oldlogit.parity import token_logprobs, trainer_numerics
+from oldlogit.parity.numerics import UncoveredMatmul
+from oldlogit.parity.ops import POINTWISE_BLOCK, TileMode, blockwise, stable_topk
+from tests.architectures import hf_model
+
+
+def test_stable_topk_breaks_ties_to_the_lower_index_in_descending_order():
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    out = stable_topk(x, 2)
+    assert out.indices.tolist() == [[1, 2], [0, 1]]
+    assert out.values.tolist() == [[3.0, 3.0], [0.0, 0.0]]
+    assert stable_topk(x, 2, largest=False).indices.tolist() == [[0, 3], [0, 1]]
+    # The same values as torch.topk, always sorted (sorted=False asks for no order at all).
+    y = torch.randn(50, 16)
+    assert torch.equal(stable_topk(y, 4).values, torch.topk(y, 4).values)
+
+
+def test_a_patched_router_resolves_ties_by_the_rule():
+    """Experts 1, 2 and 3 score the same for every token (expert 0 the opposite): top-2 takes
+    the lower indices among the tied, so expert 3 is never chosen, alone or batched."""
+    model = hf_model("qwen3_moe")
+    layer = model.model.layers[1].mlp
+    with torch.no_grad():
+        layer.gate.weight[2] = layer.gate.weight[1]
+        layer.gate.weight[3] = layer.gate.weight[1]
+        layer.gate.weight[0] = -layer.gate.weight[1]
+    picked: list[torch.Tensor] = []
+    hook = layer.gate.register_forward_hook(lambda _m, _a, out: picked.append(out[2]))
+    ids = torch.randint(3, 150, (3, 20), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad(), trainer_numerics(model, tile_rows=16):
+            token_logprobs(model, ids)
+            token_logprobs(model, ids[:1])
+    finally:
+        hook.remove()
+    for indices in picked:  # [tokens, k]
+        assert not bool((indices == 3).any())
+        rows = {tuple(r) for r in indices.tolist()}
+        assert rows <= {(1, 2), (0, 1)}, rows  # descending value, ties by index
+    assert torch.equal(picked[1], picked[0][:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "fn",
+    [torch.sigmoid, F.silu, lambda t: F.gelu(t, approximate="tanh"), torch.tanh, torch.exp],
+    ids=["sigmoid", "silu", "gelu_tanh", "tanh", "exp"],
+)
+def test_blockwise_pointwise_gives_an_element_the_same_bits_whatever_the_size(fn, dtype):
+    x = (torch.randn(3 * POINTWISE_BLOCK + 77, generator=torch.Generator().manual_seed(1)) * 3).to(
+        dtype
+    )
+    full = blockwise(fn, x)
+    for n in (1, 5, 17, 63, 64, 65, 1000, POINTWISE_BLOCK + 3, x.numel()):
+        assert torch.equal(blockwise(fn, x[:n].clone()), full[:n]), n
+    assert torch.equal(blockwise(fn, x.view(-1, 1)[7:40]).view(-1), full[7:40])
+
+
+def test_blockwise_keeps_shape_grad_and_inplace():
+    x = torch.randn(5, 7, requires_grad=True)
+    y = blockwise(F.silu, x)
+    assert y.shape == (5, 7) and torch.allclose(y, F.silu(x))
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == (5, 7)
+    z = torch.randn(3, 9)
+    expected = F.silu(z)
+    assert blockwise(F.silu, z, inplace=True) is z and torch.allclose(z, expected)
+
+
+def test_the_plain_profile_mode_changes_nothing_but_the_head():
+    x = torch.randn(9, 4)
+    with TileMode(None, strict=True, head=None, fp32=False):
+        assert torch.equal(torch.sigmoid(x), torch.sigmoid(x))
+        torch.matmul(x, x.t())  # not refused: the plain profile makes no promise
+
+
+@pytest.mark.parametrize("kernel", ["grouped_mm", "batched_mm"])
+def test_expert_kernels_outside_the_tiles_are_refused(kernel):
+    model = hf_model("qwen3_moe")
+    original = model.config._experts_implementation
+    ids = torch.randint(3, 150, (1, 12), generator=torch.Generator().manual_seed(2))
+    with trainer_numerics(model):
+        assert model.config._experts_implementation == "eager"  # what the patch runs
+        model.config._experts_implementation_internal = kernel
+        with pytest.raises(UncoveredMatmul, match="outside oldlogit's tiles"):
+            token_logprobs(model, ids)
+    assert model.config._experts_implementation == original  # restored on exit

@@ -319,12 +319,15 @@ class Info(_Model):
     server_version: str = ""
     # The numerics besides dtype and device (README "Exactness contract"): the profile
     # ("invariant" or "hf"), rows per GEMM tile (invariant only), CPU intra-op threads (0 on
-    # CUDA), the fp32 head switch and the attention kernel.
+    # CUDA), the fp32 head switch, the attention kernel, oldlogit's numerics revision (0 from an
+    # older server) and the torch build.
     numerics: str = "hf"
     tile_rows: int | None = None
     threads: int = 0
     lm_head_fp32: bool = False
     attention: str = ""
+    numerics_revision: int = 0
+    torch_version: str = ""
     # The weights a version holds and the other names they arrive under (README "Use with
     # your trainer"): what ``Client.publish`` maps a trainer's state dict onto.
     weight_specs: dict[str, TensorInfo] = Field(default_factory=dict)
@@ -355,4 +358,6 @@ class Info(_Model):
             threads=self.threads,
             lm_head_fp32=self.lm_head_fp32,
             attention=self.attention,
+            revision=self.numerics_revision,
+            torch_version=self.torch_version,
         )

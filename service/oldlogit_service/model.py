@@ -161,6 +161,7 @@ class LoadedModel:
             threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
             lm_head_fp32=lm_head_fp32,
             attention=self.attn_implementation or "eager",
+            torch_version=torch.__version__,
         )
 
     def weight_dtype(self, name: str) -> torch.dtype:

@@ -634,6 +634,8 @@ class Runtime:
             threads=spec.threads,
             lm_head_fp32=spec.lm_head_fp32,
             attention=spec.attention,
+            numerics_revision=spec.revision,
+            torch_version=spec.torch_version,
             **weight_layout_info(m.layout),
         )
 

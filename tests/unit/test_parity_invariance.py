@@ -291,7 +291,12 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
     with trainer_numerics(model, like=service) as patch:
         assert patch.tile_rows == 16 and patch.lm_head_fp32
         assert patch.spec.mismatches(service) == []
-    for change, word in (({"dtype": "float32"}, "dtype"), ({"threads": 99}, "threads")):
+    for change, word in (
+        ({"dtype": "float32"}, "dtype"),
+        ({"threads": 99}, "threads"),
+        ({"revision": 0}, "numerics revision: 2 here, 0 there"),  # an older service
+        ({"torch_version": "2.0.0+cpu"}, "torch: "),
+    ):
         other = NumericsSpec(**{**service.as_dict(), **change})
         with pytest.raises(NumericsMismatch, match=word):
             with trainer_numerics(model, like=other):
@@ -301,6 +306,11 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
         with trainer_numerics(model, like=hf):
             pass
     assert local_spec(model, profile="hf", tile_rows=None, lm_head_fp32=False).attention
+    # An unknown torch build (an older service) is not a mismatch; a known one is in the key.
+    assert (
+        patch.spec.mismatches(NumericsSpec(**{**patch.spec.as_dict(), "torch_version": ""})) == []
+    )
+    assert f"torch={torch.__version__}" in patch.spec.key and "rev=2" in patch.spec.key
 
 
 def test_segment_plans():

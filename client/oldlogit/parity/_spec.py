@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 __all__ = [
     "DEFAULT_TILE_ROWS",
+    "NUMERICS_REVISION",
     "PROFILES",
     "NumericsMismatch",
     "NumericsSpec",
@@ -24,6 +25,12 @@ __all__ = [
 # CPU (padding a sequence costs at most 63 rows per matmul) and measured as fast as one plain
 # GEMM for float32 (README "Exactness contract").
 DEFAULT_TILE_ROWS = 64
+
+# Bumped whenever oldlogit changes the bits it computes for the same settings (a kernel, an op's
+# blocking, the order of a reduction). Part of the numerics: a trainer and a service on
+# different revisions may disagree in last bits, and result caches keyed on another revision
+# are never read.
+NUMERICS_REVISION = 2
 
 Profile = Literal["invariant", "hf"]
 PROFILES: tuple[Profile, ...] = ("invariant", "hf")
@@ -57,7 +64,9 @@ class NumericsSpec:
     ``profile``: ``invariant`` (fixed-shape tiles, per-sequence attention: one forward for
     trainer and service) or ``hf`` (the unpatched HF forward of the sequence alone).
     ``tile_rows`` is None for ``hf``. ``threads`` is the CPU intra-op thread count (on CUDA it
-    does not enter the numerics and is reported as 0).
+    does not enter the numerics and is reported as 0). ``revision`` is oldlogit's numerics
+    revision (0: unknown, an older service); ``torch_version`` the torch build computing them
+    ("": unknown) — kernels change between builds.
     """
 
     profile: Profile
@@ -67,6 +76,8 @@ class NumericsSpec:
     threads: int
     lm_head_fp32: bool
     attention: str = ""  # the attention kernel, e.g. "oldlogit_invariant/sdpa" or "sdpa"
+    revision: int = NUMERICS_REVISION
+    torch_version: str = ""
 
     @property
     def key(self) -> str:
@@ -75,7 +86,7 @@ class NumericsSpec:
         head = "head=float32" if self.lm_head_fp32 else f"head={self.dtype}"
         return (
             f"{self.profile}/{self.dtype}/{self.device_kind}/{tiles}/threads={self.threads}/"
-            f"{head}/{self.attention or '-'}"
+            f"{head}/{self.attention or '-'}/rev={self.revision}/torch={self.torch_version or '-'}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +102,13 @@ class NumericsSpec:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 out.append(f"{name}: {mine!r} here, {theirs!r} there")
+        if self.revision != other.revision:
+            out.append(
+                f"numerics revision: {self.revision} here, {other.revision} there (oldlogit "
+                "releases with different numerics: run the same release on both sides)"
+            )
+        if self.torch_version and other.torch_version and self.torch_version != other.torch_version:
+            out.append(f"torch: {self.torch_version} here, {other.torch_version} there")
         cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
         if cpu and self.threads != other.threads:
             out.append(f"threads: {self.threads} here, {other.threads} there")

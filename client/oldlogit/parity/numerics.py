@@ -195,6 +195,7 @@ def local_spec(
         threads=torch.get_num_threads() if device_kind == "cpu" else 0,
         lm_head_fp32=lm_head_fp32,
         attention=attn,
+        torch_version=str(torch.__version__),
     )
 
 

@@ -99,9 +99,18 @@ class GrpcTransport:
                 tls_err = await self._tls_failure(exc.details())
                 if tls_err is not None:
                     raise tls_err from exc
-            raise convert.error_from_grpc(
-                exc.code(), exc.details(), exc.trailing_metadata()
-            ) from exc
+            details = exc.details()
+            if exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (
+                exc.debug_error_string() or ""
+            ):
+                # grpcio's asyncio client replaces the server's status with this when the
+                # service ended an upload it was still sending (grpc/grpc issue 36066); the
+                # service reads on for a while first, so only a long refused upload gets here.
+                details = (
+                    "the service ended the call while the upload was still being sent and "
+                    "grpcio lost its reason; publish over HTTP to see it"
+                )
+            raise convert.error_from_grpc(exc.code(), details, exc.trailing_metadata()) from exc
 
     async def _tls_failure(self, details: str | None) -> Exception | None:
         """Why a secure channel could not connect, when it is the handshake (not retried)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +84,39 @@ def test_failed_publish_leaves_nothing_visible(fresh: Served) -> None:
         assert 50 not in [v.policy_version for v in c.versions()]
     incoming = fresh.settings.snapshot_dir / "incoming"
     assert not any(incoming.glob("*")) if incoming.exists() else True
+
+
+@pytest.mark.parametrize("case", ["unauthorized", "unknown-session"])
+def test_an_upload_refused_mid_stream_reports_the_reason_over_grpc(
+    fresh: Served, case: str
+) -> None:
+    """The service refuses an upload while the client is still sending: the client must get
+    the reason, not grpcio's "Internal error from Core" from its failed next write."""
+    import asyncio
+
+    from oldlogit._transport import open_transport
+    from oldlogit.convert import PublishHeader
+    from oldlogit.errors import NotFound, Unauthorized
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(8):
+            yield b"\0" * (1024 * 1024)
+
+    async def attempt() -> None:
+        t = open_transport(
+            fresh.url("grpc"),
+            token=None if case == "unauthorized" else WRITE_TOKEN,
+            http_encoding="msgpack",
+        )
+        try:
+            if case == "unauthorized":
+                await t.publish(PublishHeader(policy_version=77, sha256=None), chunks(), 30)
+            else:
+                await t.upload_part("no-such-session", 0, chunks(), 8 << 20, 30)
+        finally:
+            await t.aclose()
+
+    expected = Unauthorized if case == "unauthorized" else NotFound
+    for _ in range(10):  # the failure was a race: give it many chances
+        with pytest.raises(expected):
+            asyncio.run(attempt())

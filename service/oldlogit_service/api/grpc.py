@@ -9,6 +9,7 @@ token, like ``/openapi.json``). With TLS on, the port serves ``ServerTls``'s dyn
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -112,6 +113,27 @@ async def _checked_stream(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
+# An upload refused while the client still sends: read on (up to these bounds) before answering.
+_DRAIN_S = 2.0
+_DRAIN_MESSAGES = 64  # of at most 1 MiB each from oldlogit's clients
+
+
+async def _drain(stream: AsyncIterator[Any]) -> None:
+    """Read what the client is still sending of a refused upload, within bounds, so its last
+    write completes before the status arrives: grpcio's asyncio client otherwise reports
+    "INTERNAL: Internal error from Core" for a write that fails because the call has ended,
+    in place of the status the server sent (grpc/grpc issue 36066)."""
+    try:
+        async with asyncio.timeout(_DRAIN_S):
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n >= _DRAIN_MESSAGES:
+                    return
+    except Exception:  # the stream broke or timed out: answer anyway
+        return
+
+
 class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Auth, error mapping and metrics for every OldLogit method, in one place."""
 
@@ -126,6 +148,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             start = time.perf_counter()
             code = "OK"
             err: OldLogitError | None = None
+            upload = request if hasattr(request, "__aiter__") else None
             try:
                 rt.authorize(write=write, token=_token(context), peer=_peer_host(context.peer()))
                 if isinstance(request, _Undecodable):
@@ -145,6 +168,8 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     code = err.grpc_status
                 rt.metrics.requests.labels(method, "grpc", code).inc()
                 rt.metrics.latency.labels(method, "grpc").observe(time.perf_counter() - start)
+            if upload is not None:
+                await _drain(upload)
             await _abort(context, err)
 
         return behavior

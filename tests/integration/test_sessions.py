@@ -75,6 +75,13 @@ def test_parts_publish_one_version_only_when_all_are_committed(
         assert opened.state == again.state == "open" and again.session_id == sid
         with pytest.raises(Conflict, match="other parameters"):
             c.open_session(sid, first, 2)
+        assert s.server.runtime is not None
+        registry = s.server.runtime.metrics.registry
+
+        def published() -> float:
+            return registry.get_sample_value("oldlogit_publishes_total", {"code": "ok"}) or 0.0
+
+        before = published()
         for rank in (2, 0):
             info, _ = c.publish_part(sid, rank, shares[rank], policy_version=first)
             assert info.state == "open" and rank in info.committed
@@ -84,6 +91,7 @@ def test_parts_publish_one_version_only_when_all_are_committed(
         assert info.state == "published" and info.result is not None
         assert info.result.weight_sha256 == weight_sha256(w)  # the whole hash, by the service
         assert c.session(sid, policy_version=first).state == "published"
+        assert published() == before + 1  # counted like any publish
         _served_bits(s, c, first, w)
 
         # A delta session: each rank sends its changes against its own share of the parent.

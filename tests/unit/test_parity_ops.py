@@ -80,6 +80,37 @@ def test_blockwise_keeps_shape_grad_and_inplace():
     assert blockwise(F.silu, z, inplace=True) is z and torch.allclose(z, expected)
 
 
+def _grad_fns(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo.extend(n for n, _ in f.next_functions)
+    return [type(f).__name__ for f in seen]
+
+
+def test_blockwise_backward_is_blockwise_too_and_one_split_not_a_slice_per_block():
+    # The gradient of an element must not depend on the tensor's size either, and autograd
+    # must not build (and sum) one full-size gradient per block: a trainer's backward through
+    # a [tokens, intermediate] activation would pay that once per block.
+    x = torch.randn(3 * POINTWISE_BLOCK + 77, generator=torch.Generator().manual_seed(2))
+    g = torch.randn_like(x)
+
+    def grad(n):
+        leaf = x[:n].clone().requires_grad_(True)
+        blockwise(F.silu, leaf).backward(g[:n])
+        return leaf.grad
+
+    full = grad(x.numel())
+    for n in (5, 65, POINTWISE_BLOCK + 3):
+        assert torch.equal(grad(n), full[:n]), n
+    assert torch.allclose(full, torch.func.vjp(F.silu, x)[1](g)[0], atol=1e-6)
+    leaf = x.clone().requires_grad_(True)
+    names = _grad_fns(blockwise(F.silu, leaf))
+    assert names.count("SplitBackward0") == 1 and names.count("SliceBackward0") <= 1, names
+
+
 def test_the_plain_profile_mode_changes_nothing_but_the_head():
     x = torch.randn(9, 4)
     with TileMode(None, strict=True, head=None, fp32=False):

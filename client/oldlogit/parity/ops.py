@@ -148,10 +148,9 @@ def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) ->
     padded = -(-n // _ALIGN) * _ALIGN
     if padded != n:
         flat = torch.cat([flat, flat.new_zeros(padded - n)])
-    parts = [
-        func(flat[i : i + POINTWISE_BLOCK], *rest, **kwargs)
-        for i in range(0, padded, POINTWISE_BLOCK)
-    ]
+    # One split (not one slice per block): its backward is one concatenation, where a slice
+    # per block would make autograd allocate and add a full-size gradient per block.
+    parts = [func(block, *rest, **kwargs) for block in flat.split(POINTWISE_BLOCK)]
     out = (parts[0] if len(parts) == 1 else torch.cat(parts))[:n].view(x.shape)
     if inplace:
         with torch.no_grad():

@@ -215,3 +215,39 @@ def test_policies_pure() -> None:
     assert held  # 3 would have gone, but a request holds it
     victims, held = disk_victims(disk, watermark=None, max_versions=10, budget=25)
     assert victims == [(4, "disk_budget"), (1, "disk_budget")] and held
+
+
+def test_a_stream_of_once_used_versions_does_not_push_out_the_one_in_constant_use(
+    tmp_path: Path,
+) -> None:
+    # Rollout workers score the newest version all the time while a second client asks for old
+    # versions in turn, each once. Plain LRU would evict the hot version whenever two old ones
+    # come back to back; its re-use since loading keeps it resident, and it still ages out
+    # once nobody uses it.
+    clock = FakeClock()
+    with open_store(tmp_path, clock=clock, device_budget_bytes=2 * SNAP) as s:
+        for v in range(6):
+            s.publish(v, make_sd(v))
+        hot = 5
+        for _ in range(15):
+            clock.advance(0.01)
+            with s.acquire(hot):
+                pass
+        for cold in [0, 1, 2, 3, 4, 0, 1, 2]:
+            clock.advance(0.05)
+            with s.acquire(cold):
+                pass
+            assert s.resident(hot), cold
+            assert s.resident(cold)
+        clock.advance(10.0)  # nobody asks for the hot version any more
+        for cold in (3, 4):
+            with s.acquire(cold):
+                pass
+        assert not s.resident(hot)
+    cands = [
+        MemoryCandidate(1, 10, last_used=5.0, tick=1, rebuild_cost=1, hits=20),
+        MemoryCandidate(2, 10, last_used=5.2, tick=2, rebuild_cost=1),
+    ]
+    assert [c.version for c in memory_victim_parts(cands, resident=20, incoming=10, budget=20)] == [
+        2
+    ]

@@ -150,7 +150,7 @@ def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) ->
         flat = torch.cat([flat, flat.new_zeros(padded - n)])
     # One split (not one slice per block): its backward is one concatenation, where a slice
     # per block would make autograd allocate and add a full-size gradient per block.
-    parts = [func(block, *rest, **kwargs) for block in flat.split(POINTWISE_BLOCK)]
+    parts = [func(block, *rest, **kwargs) for block in torch.split(flat, POINTWISE_BLOCK)]
     out = (parts[0] if len(parts) == 1 else torch.cat(parts))[:n].view(x.shape)
     if inplace:
         with torch.no_grad():

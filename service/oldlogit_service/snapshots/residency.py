@@ -68,6 +68,7 @@ class _Memory:
     patch_used: float = 0.0
     patch_tick: int = 0
     pins: int = 0  # requests holding it (including loads in flight)
+    hits: int = 0  # pins served by the device copy since it was loaded
     retired: bool = False  # deleted: copies go when the last pin does
 
 
@@ -160,6 +161,7 @@ class Residency:
             m.last_used, m.tick = self._clock(), next(self._ticks)
             if m.device is not None:
                 self.counters["device_hits"] += 1
+                m.hits += 1
                 return m.device
         try:
             return self._load_shared(version, m, nbytes)
@@ -233,6 +235,7 @@ class Residency:
                     self._cond.notify_all()
                     raise self._gone(version)
                 m.device = dev
+                m.hits = 0
                 self.device_tier.add(dev.nbytes)
                 # Keep the host copy just built, unless the budget cannot hold one (then it
                 # was only a staging buffer).
@@ -412,6 +415,7 @@ class Residency:
             if m.device is not None:
                 self.device_tier.remove(m.device.nbytes, evicted=True)
                 m.device = None
+                m.hits = 0
             if m.host is not None:
                 self.host_tier.remove(m.host.nbytes, evicted=True)
                 m.host = None
@@ -424,7 +428,9 @@ class Residency:
         for v, m in self._mem.items():
             if tier is self.device_tier and m.device is not None and m.pins == 0:
                 cost = 0.0 if m.host is not None else self._rebuild_cost(v)
-                out.append(MemoryCandidate(v, m.device.nbytes, m.last_used, m.tick, cost))
+                out.append(
+                    MemoryCandidate(v, m.device.nbytes, m.last_used, m.tick, cost, hits=m.hits)
+                )
             if tier is self.host_tier and m.host is not None:
                 out.append(
                     MemoryCandidate(v, m.host.nbytes, m.last_used, m.tick, self._rebuild_cost(v))
@@ -452,6 +458,7 @@ class Residency:
             assert m.device is not None
             tier.remove(m.device.nbytes, evicted=True)
             m.device = None
+            m.hits = 0
         else:
             assert m.host is not None
             tier.remove(m.host.nbytes, evicted=True)

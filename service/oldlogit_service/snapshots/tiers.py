@@ -7,6 +7,7 @@ touches tensors, files or locks, so the policies are tested with plain lists.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ __all__ = [
     "TierAccount",
     "disk_victims",
     "memory_victim_parts",
+    "reuse_factor",
 ]
 
 DEVICE = "device"
@@ -31,6 +33,15 @@ DISK = "disk"
 # than a keyframe copy. Small next to how long versions stay hot in RL, large next to the gaps
 # between requests, so among recently used copies the expensive ones stay.
 REBUILD_WEIGHT_S = 0.1
+
+
+def reuse_factor(hits: int) -> float:
+    """How much a copy's rebuild credit grows with its re-use since it was loaded: 1 for a copy
+    never used again, + 1 per doubling of its hits. A stream of versions each used once (old
+    versions asked for in turn) then cannot push out the version every other request uses,
+    while a copy that stops being used still ages out within seconds (the credit is bounded
+    by the log)."""
+    return 1.0 + math.log2(1 + hits)
 
 
 @dataclass
@@ -86,11 +97,13 @@ class MemoryCandidate:
     # version rebuilt through a chain of patches, a fraction for a decoded patch.
     rebuild_cost: float
     part: str = "weights"  # or "patch"
+    hits: int = 0  # uses since it was loaded (``reuse_factor``)
 
     @property
     def keep_until(self) -> float:
-        """The eviction key: last use, credited for what bringing it back would cost."""
-        return self.last_used + REBUILD_WEIGHT_S * self.rebuild_cost
+        """The eviction key: last use, credited for what bringing it back would cost, the more
+        the more it has been re-used."""
+        return self.last_used + REBUILD_WEIGHT_S * self.rebuild_cost * reuse_factor(self.hits)
 
 
 def memory_victim_parts(

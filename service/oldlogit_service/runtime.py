@@ -102,8 +102,11 @@ class Runtime:
         control: Control,
         metrics: Metrics | None = None,
         ewma: EwmaProxy | None = None,
+        fast_deviation: float | None = None,
     ) -> None:
         self.settings = settings
+        # Fast mode under the plain numerics: max |fast − exact| measured at start-up.
+        self.fast_deviation = fast_deviation
         self.control = control  # local, or scale-out through Redis: chosen at start-up
         self.ewma = ewma  # the approximate proxy policy; None unless --ewma-beta
         self.model = model
@@ -353,7 +356,9 @@ class Runtime:
                     logprobs=lp,
                     versions=versions,
                     weight_sha256={v: hashes[v] for v in versions},
-                    exact=not any(v in proxied for v in versions),
+                    # A padded (fast-mode) forward is not the reference's; a proxy is not
+                    # the version's weights.
+                    exact=self.mode != "fast" and not any(v in proxied for v in versions),
                     cached=bool(parts) and all(p.future is None for p in parts),
                 )
             )
@@ -615,7 +620,7 @@ class Runtime:
             head_dtype="float32" if s.lm_head_fp32 else s.dtype,
             device=str(m.device),
             mode=self.mode,
-            fast_mode_max_abs_deviation=None,
+            fast_mode_max_abs_deviation=self.fast_deviation if self.mode == "fast" else None,
             limits={
                 "max_seq_len": self.limits.max_seq_len,
                 "max_tokens_per_request": self.limits.max_tokens_per_request,

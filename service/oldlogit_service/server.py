@@ -18,13 +18,14 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import uvicorn
+from torch import Tensor
 
 from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app, create_health_app
@@ -33,7 +34,7 @@ from oldlogit_service.cluster import ClusterControl, advertised_address, default
 from oldlogit_service.config import Settings
 from oldlogit_service.control import Control, LocalControl
 from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
-from oldlogit_service.engine import Engine, self_check
+from oldlogit_service.engine import Engine, measure_fast_mode_deviation, self_check
 from oldlogit_service.ewma import EwmaProxy
 from oldlogit_service.history import sample_forever
 from oldlogit_service.model import (
@@ -113,8 +114,11 @@ def build_runtime(settings: Settings) -> Runtime:
         lm_head_fp32=settings.lm_head_fp32,
         max_batch_tokens=settings.max_batch_tokens,
     )
+    fast_deviation = None
     if model.profile == "invariant":
         _check_numerics(engine, store, model)
+    elif settings.mode == "fast":
+        fast_deviation = _measure_fast_mode(engine, store, model)
     cache: Any = ResultCache(settings.cache_budget_bytes)
     if settings.cache_redis_url is not None:
         # Shared across replicas; its keys hold the weight hash, so no hit crosses a change.
@@ -124,28 +128,31 @@ def build_runtime(settings: Settings) -> Runtime:
     if settings.ewma_beta is not None:
         ewma = EwmaProxy(model, beta=settings.ewma_beta, state_dir=settings.snapshot_dir / "ewma")
         ewma.catch_up(store)  # versions published before (or while it was off)
-    return Runtime(settings, model, store, engine, cache, control, ewma=ewma)
+    return Runtime(
+        settings, model, store, engine, cache, control, ewma=ewma, fast_deviation=fast_deviation
+    )
+
+
+@contextlib.contextmanager
+def _check_weights(store: SnapshotStore, model: LoadedModel) -> Iterator[Mapping[str, Tensor]]:
+    """The weights start-up checks run on: the newest retained version (the one most likely to
+    be asked for), or random weights in the serving dtype when the store holds none yet."""
+    newest = store.newest
+    if newest is not None:
+        with store.acquire(newest) as weights:
+            yield weights
+        return
+    gen = torch.Generator().manual_seed(0)
+    yield {  # every weight in its serving dtype (model.param_specs)
+        name: (torch.randn(shape, generator=gen) * 0.05).to(model.device, model.weight_dtype(name))
+        for name, (_, shape) in model.param_specs.items()
+    }
 
 
 def _check_numerics(engine: Engine, store: SnapshotStore, model: LoadedModel) -> None:
-    """Refuse to start when packed batches are not bitwise equal to single sequences here.
-
-    Runs on the newest retained version (the one most likely to be asked for), or on random
-    weights in the serving dtype when the store holds none yet.
-    """
-    newest = store.newest
+    """Refuse to start when packed batches are not bitwise equal to single sequences here."""
     start = time.perf_counter()
-    if newest is not None:
-        with store.acquire(newest) as weights:
-            compared = self_check(engine, weights)
-    else:
-        gen = torch.Generator().manual_seed(0)
-        weights = {  # every weight in its serving dtype (model.param_specs)
-            name: (torch.randn(shape, generator=gen) * 0.05).to(
-                model.device, model.weight_dtype(name)
-            )
-            for name, (_, shape) in model.param_specs.items()
-        }
+    with _check_weights(store, model) as weights:
         compared = self_check(engine, weights)
     logger.info(
         "numerics self-check: %d logprobs packed == alone, bitwise (%s, %.2f s)",
@@ -153,6 +160,26 @@ def _check_numerics(engine: Engine, store: SnapshotStore, model: LoadedModel) ->
         model.numerics_spec(engine.lm_head_fp32).key,
         time.perf_counter() - start,
     )
+
+
+def _measure_fast_mode(engine: Engine, store: SnapshotStore, model: LoadedModel) -> float:
+    """Fast mode under the plain numerics pads: its max |fast − reference| over random
+    sequences, measured here at start-up (``/v1/info`` reports it)."""
+    start = time.perf_counter()
+    with _check_weights(store, model) as weights:
+        worst = measure_fast_mode_deviation(
+            model,
+            weights,
+            lm_head_fp32=engine.lm_head_fp32,
+            max_batch_tokens=engine.max_batch_tokens,
+        )
+    logger.info(
+        "fast mode pads sequences: max |fast - exact| %.3g over random sequences (%.2f s); "
+        "its answers say exact=false",
+        worst,
+        time.perf_counter() - start,
+    )
+    return worst
 
 
 def _bind(host: str, port: int) -> socket.socket:

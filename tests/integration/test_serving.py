@@ -176,6 +176,27 @@ def test_versions_info_leases_watermark(served: Served, transport: str) -> None:
         assert c.version(2).leases == 0
 
 
+def test_fast_mode_under_the_plain_numerics_pads_and_says_so(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> None:
+    """--numerics hf --mode fast pads sequences of one batch together: its deviation is
+    measured at start-up and reported in /v1/info, and every answer says exact=false."""
+    s = start_served(tmp_path_factory.mktemp("fast-hf"), model_dir, mode="fast", numerics="hf")
+    try:
+        with Client(s.server.grpc_url) as c:
+            info = c.info()
+            assert info.mode == "fast" and info.numerics == "hf"
+            assert isinstance(info.fast_mode_max_abs_deviation, float)
+            assert 0.0 <= info.fast_mode_max_abs_deviation < 0.25  # bf16, a tiny model
+            seqs = [Sequence(token_ids=list(range(1, n)), policy_version=1) for n in (9, 40, 23)]
+            res = c.logprobs_batch(seqs)
+            assert [r.exact for r in res] == [False, False, False]
+            again = c.logprobs(list(range(1, 9)), policy_version=1)  # from the result cache
+            assert again.cached and not again.exact
+    finally:
+        s.server.stop()
+
+
 def test_fast_mode_is_deterministic_under_the_invariant_numerics(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

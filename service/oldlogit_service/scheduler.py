@@ -45,8 +45,9 @@ LOAD_NICE = 10
 class WeightsSource(Protocol):
     """What the scheduler needs from the snapshot store (``SnapshotStore`` implements it)."""
 
-    def hold(self, version: int) -> None:
-        """Make ``version`` device-resident and keep it so until ``unhold`` (may load)."""
+    def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
+        """Make ``version`` device-resident and keep it so until ``unhold`` (may load). If
+        room must be made, versions in ``wanted`` (queued work needs them) go last."""
         ...
 
     def unhold(self, version: int) -> None: ...
@@ -373,14 +374,13 @@ class Scheduler:
                     self._cond.wait(0.5 if st.depth == 0 else self._policy.max_switch_delay_s)
                 if victim is not None:
                     st.held.discard(victim)
-                waiting = sum(1 for v, q in st.queues.items() if q and v >= 0) - len(
-                    self._resident_locked()
-                )
+                wanted = {v for v, q in st.queues.items() if q and v >= 0}
+                waiting = len(wanted) - len(self._resident_locked())
             if victim is not None:
                 self._store.unhold(victim)
             start = self._clock()
             try:
-                self._store.hold(version)
+                self._store.hold(version, wanted)
             except BaseException as exc:
                 self._fail_version(version, map_exception(exc))
                 continue

@@ -6,6 +6,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,7 +25,7 @@ class FakeStore:
         self.held: list[int] = []
         self.released: list[int] = []
 
-    def hold(self, version: int) -> None:
+    def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
         if version == 404:
             raise UnknownVersion("no version 404", parameter="policy_version")
         self.held.append(version)
@@ -206,10 +207,10 @@ class SlowColdStore(FakeStore):
     def resident(self, version: int) -> bool:
         return version != 9 or super().resident(version)
 
-    def hold(self, version: int) -> None:
+    def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
         if version == 9:
             assert self.cold_gate.wait(10)
-        super().hold(version)
+        super().hold(version, wanted)
 
 
 def test_a_hot_version_is_served_while_a_cold_one_loads() -> None:

@@ -251,3 +251,26 @@ def test_a_stream_of_once_used_versions_does_not_push_out_the_one_in_constant_us
     assert [c.version for c in memory_victim_parts(cands, resident=20, incoming=10, budget=20)] == [
         2
     ]
+
+
+def test_a_load_makes_room_from_versions_no_queued_work_needs(tmp_path: Path) -> None:
+    # The scheduler's load stage says which versions its queue needs: a load evicts the others
+    # first, even more recently used ones, so no version is dropped just before its requests.
+    clock = FakeClock()
+    with open_store(tmp_path, clock=clock, device_budget_bytes=2 * SNAP) as s:
+        for v in range(4):
+            s.publish(v, make_sd(v))
+        for v in (0, 1):
+            clock.advance(1)
+            with s.acquire(v):
+                pass
+        clock.advance(1)
+        s.hold(2, wanted={0, 2})  # 0 is the least recent, but queued work needs it
+        try:
+            assert s.resident(0) and s.resident(2) and not s.resident(1)
+        finally:
+            s.unhold(2)
+        clock.advance(1)
+        s.hold(3)  # nothing said wanted: plain recency (0, the least recent, goes)
+        s.unhold(3)
+        assert not s.resident(0) and s.resident(3)

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,9 @@ class Residency:
         self._load_lock = threading.Lock()  # one load at a time bounds memory to budget + one
         self._mem: dict[int, _Memory] = {}
         self._loading: dict[int, _LoadTicket] = {}
+        # Versions queued work needs next (the scheduler's load stage says so with each load):
+        # evicted only after every copy nothing waits for.
+        self._wanted: frozenset[int] = frozenset()
         self._ticks = itertools.count()
         self.counters: Counter[str] = Counter()
         self.load_seconds = 0.0
@@ -149,11 +153,14 @@ class Residency:
         return m
 
     # -- pins and loads ---------------------------------------------------------------------
-    def pin(self, version: int, nbytes: int) -> Resident:
+    def pin(self, version: int, nbytes: int, wanted: AbstractSet[int] | None = None) -> Resident:
         """Pin ``version`` (``nbytes`` of weights) and return its device copy, loading it if
-        needed (the first caller loads, concurrent ones wait). ``unpin`` when done; on error it
-        is unpinned already."""
+        needed (the first caller loads, concurrent ones wait). ``wanted``: the versions queued
+        work needs, kept over the others if room must be made (None: as last said). ``unpin``
+        when done; on error it is unpinned already."""
         with self._lock:
+            if wanted is not None:
+                self._wanted = frozenset(wanted)
             m = self._entry_locked(version)
             if m.retired:
                 raise self._gone(version)
@@ -429,7 +436,15 @@ class Residency:
             if tier is self.device_tier and m.device is not None and m.pins == 0:
                 cost = 0.0 if m.host is not None else self._rebuild_cost(v)
                 out.append(
-                    MemoryCandidate(v, m.device.nbytes, m.last_used, m.tick, cost, hits=m.hits)
+                    MemoryCandidate(
+                        v,
+                        m.device.nbytes,
+                        m.last_used,
+                        m.tick,
+                        cost,
+                        hits=m.hits,
+                        wanted=v in self._wanted,
+                    )
                 )
             if tier is self.host_tier and m.host is not None:
                 out.append(

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import MappingProxyType
 
@@ -194,23 +195,25 @@ class SnapshotStore:
         finally:
             self.residency.unpin(version)
 
-    def pin(self, version: int) -> Resident:
-        """Pin a retained version in device memory (``residency.unpin`` it after use)."""
+    def pin(self, version: int, wanted: AbstractSet[int] | None = None) -> Resident:
+        """Pin a retained version in device memory (``residency.unpin`` it after use);
+        ``wanted`` as in ``Residency.pin``."""
         sv = self.registry.get(version)  # UnknownVersion / VersionEvicted
         self.registry.touch(version)
         try:
-            return self.residency.pin(version, sv.nbytes)
+            return self.residency.pin(version, sv.nbytes, wanted)
         except persist.CorruptSnapshot as exc:
             raise self.quarantine(version, exc) from exc
         except OldLogitError as exc:
             # A load's followers re-raise a copy, so threads do not share one traceback.
             raise error_from_payload(exc.to_payload()) from exc
 
-    def hold(self, version: int) -> None:
+    def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
         """Make ``version`` device-resident and keep it so until ``unhold`` (the scheduler's
-        load stage, ahead of the batches that need it)."""
+        load stage, ahead of the batches that need it). ``wanted``: the versions with queued
+        work; if room must be made, the copies nobody waits for go first."""
         self._check_open()
-        self.pin(check_version(version))
+        self.pin(check_version(version), wanted)
 
     def unhold(self, version: int) -> None:
         self.residency.unpin(version)

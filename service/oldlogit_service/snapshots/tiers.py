@@ -98,6 +98,7 @@ class MemoryCandidate:
     rebuild_cost: float
     part: str = "weights"  # or "patch"
     hits: int = 0  # uses since it was loaded (``reuse_factor``)
+    wanted: bool = False  # queued work needs it: dropped only after every copy nothing needs
 
     @property
     def keep_until(self) -> float:
@@ -111,11 +112,14 @@ def memory_victim_parts(
 ) -> list[MemoryCandidate]:
     """What to drop, lowest ``keep_until`` first, until ``resident + incoming <= budget``.
 
-    On equal keys, the cheapest to bring back goes first (a copy one tier down, then the
-    smaller one).
+    Copies that queued work wants go last (dropping one means loading it again before its
+    requests run). On equal keys, the cheapest to bring back goes first (a copy one tier down,
+    then the smaller one).
     """
     out: list[MemoryCandidate] = []
-    order = sorted(candidates, key=lambda c: (c.keep_until, c.rebuild_cost, c.nbytes, c.tick))
+    order = sorted(
+        candidates, key=lambda c: (c.wanted, c.keep_until, c.rebuild_cost, c.nbytes, c.tick)
+    )
     for c in order:
         if resident + incoming <= budget:
             break

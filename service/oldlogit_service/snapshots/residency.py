@@ -238,6 +238,12 @@ class Residency:
                 self.device_tier.reserve(0)
                 self.counters["loads_disk" if from_disk else "loads_host"] += 1
                 self.load_seconds += time.perf_counter() - start
+                logger.debug(
+                    "loaded version %d from %s in %.1f ms",
+                    version,
+                    "disk" if from_disk else "host",
+                    1000 * (time.perf_counter() - start),
+                )
                 if m.retired:
                     self._cond.notify_all()
                     raise self._gone(version)

@@ -57,8 +57,10 @@ class WeightsSource(Protocol):
         ...
 
     def acquire(
-        self, version: int
-    ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]: ...
+        self, version: int, uses: int = 1
+    ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
+        """Pin ``version`` for one batch serving ``uses`` requests (they count for eviction)."""
+        ...
 
     def acquire_lagging(
         self, version: int
@@ -142,6 +144,7 @@ def pick_load(
     policy: BatchPolicy,
     limit: int,
     resident: AbstractSet[int] = frozenset(),
+    served: AbstractSet[int] | None = None,
 ) -> tuple[int | None, int | None]:
     """What the load stage does next: (version to make resident, held version to let go).
 
@@ -149,7 +152,10 @@ def pick_load(
     already is loaded while fewer than ``limit`` are held; at the limit, only once that item
     has waited ``max_switch_delay_s``, and then a held version other than the running one
     (the one with the youngest work) is let go for it: no version starves behind two hot
-    ones. Proxy sources (< 0) are always resident.
+    ones. With ``served`` (the held versions a batch has run on since they were loaded), only
+    those are let go: a version loaded for queued work is not dropped before that work runs
+    (under a saturated queue every item has waited long enough, and loads would replace each
+    other unused). Proxy sources (< 0) are always resident.
     """
     waiting = [v for v, q in queues.items() if q and v >= 0 and v not in held and v not in resident]
     if not waiting:
@@ -159,7 +165,7 @@ def pick_load(
         return nxt, None
     if now - queues[nxt][0].enqueued_at < policy.max_switch_delay_s:
         return None, None
-    others = [v for v in held if v != running]
+    others = [v for v in held if v != running and (served is None or v in served)]
     if not others:
         return None, None
     victim = max(others, key=lambda v: queues[v][0].enqueued_at if queues.get(v) else float("inf"))
@@ -213,6 +219,7 @@ class _State:
     running: bool = False  # a batch is being executed
     current: int | None = None
     held: set[int] = field(default_factory=set)  # versions the load stage holds resident
+    served: set[int] = field(default_factory=set)  # held versions a batch has run on since
 
 
 class Scheduler:
@@ -368,12 +375,14 @@ class Scheduler:
                         policy=self._policy,
                         limit=self._prefetch,
                         resident=self._resident_locked(),
+                        served=st.served,
                     )
                     if version is not None:
                         break
                     self._cond.wait(0.5 if st.depth == 0 else self._policy.max_switch_delay_s)
                 if victim is not None:
                     st.held.discard(victim)
+                    st.served.discard(victim)
                 wanted = {v for v, q in st.queues.items() if q and v >= 0}
                 waiting = len(wanted) - len(self._resident_locked())
             if victim is not None:
@@ -390,6 +399,7 @@ class Scheduler:
                     self._store.unhold(version)
                     return
                 self._state.held.add(version)
+                self._state.served.discard(version)
                 self._cond.notify_all()
 
     def _resident_locked(self) -> set[int]:
@@ -408,6 +418,7 @@ class Scheduler:
         busy = st.current if st.running else None
         for v in [v for v in st.held if not st.queues.get(v) and v != busy]:
             st.held.discard(v)
+            st.served.discard(v)
             self._store.unhold(v)
 
     def _fail_version(self, version: int, err: OldLogitError) -> None:
@@ -453,6 +464,8 @@ class Scheduler:
                 st.queued_tokens -= sum(it.ntokens for it in items)
                 st.running = True
                 st.current = version
+                if version in st.held:
+                    st.served.add(version)
                 return version, items
 
     def _compute_loop(self) -> None:
@@ -471,14 +484,15 @@ class Scheduler:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
-    def _weights(self, version: int) -> Iterator[Mapping[str, torch.Tensor]]:
+    def _weights(self, version: int, requests: int) -> Iterator[Mapping[str, torch.Tensor]]:
         if version < 0:
             yield self._proxies[version]
         elif self._lagging:
             with self._store.acquire_lagging(version) as w:
                 yield w
         else:
-            with self._store.acquire(version) as w:  # held resident by the load stage
+            # Held resident by the load stage; each request counts as a use for eviction.
+            with self._store.acquire(version, uses=requests) as w:
                 yield w
 
     def _run(self, version: int, items: list[WorkItem]) -> None:
@@ -498,7 +512,7 @@ class Scheduler:
             return
         start = time.perf_counter()
         try:
-            with self._weights(version) as weights:
+            with self._weights(version, len(live)) as weights:
                 outs = self._engine.run(weights, [it.job for it in live])
         except BaseException as exc:
             err = map_exception(exc)

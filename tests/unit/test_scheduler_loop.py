@@ -37,7 +37,7 @@ class FakeStore:
         return version in self.held and self.held.count(version) > self.released.count(version)
 
     @contextmanager
-    def acquire(self, version: int) -> Iterator[Mapping[str, Any]]:
+    def acquire(self, version: int, uses: int = 1) -> Iterator[Mapping[str, Any]]:
         if version == 404:
             raise UnknownVersion("no version 404", parameter="policy_version")
         self.acquired.append(version)

@@ -123,3 +123,15 @@ def test_ready_restricts_the_batch_policy() -> None:
     assert pick_batch(q, current=None, now=0.5, policy=POLICY, ready={3}) is None
     v, _ = pick_batch(q, current=None, now=0.5, policy=POLICY, ready={2})  # type: ignore[misc]
     assert v == 2
+
+
+def test_a_held_version_is_not_let_go_before_its_queued_work_ran() -> None:
+    # Under a saturated queue every item has waited past max_switch_delay_s: without this rule
+    # each load would let go of the previous one before its batch ran, and loads would replace
+    # each other unused.
+    pol = BatchPolicy(max_batch_tokens=25, max_wait_s=0.0, max_switch_delay_s=1.0)
+    q = queues(item(1, 0.0), item(2, 0.1), item(3, 0.2))
+    kw: dict[str, Any] = dict(running=1, now=5.0, policy=pol, limit=2)
+    assert pick_load(q, held={1, 2}, served=set(), **kw) == (None, None)  # 2 has not run yet
+    assert pick_load(q, held={1, 2}, served={2}, **kw) == (3, 2)  # it has: it may go
+    assert pick_load(q, held={1, 2}, **kw) == (3, 2)  # no record: any held version but the running

@@ -245,7 +245,7 @@ def test_a_stream_of_once_used_versions_does_not_push_out_the_one_in_constant_us
                 pass
         assert not s.resident(hot)
     cands = [
-        MemoryCandidate(1, 10, last_used=5.0, tick=1, rebuild_cost=1, hits=20),
+        MemoryCandidate(1, 10, last_used=5.0, tick=1, rebuild_cost=1, uses=20),
         MemoryCandidate(2, 10, last_used=5.2, tick=2, rebuild_cost=1),
     ]
     assert [c.version for c in memory_victim_parts(cands, resident=20, incoming=10, budget=20)] == [
@@ -274,3 +274,17 @@ def test_a_load_makes_room_from_versions_no_queued_work_needs(tmp_path: Path) ->
         s.hold(3)  # nothing said wanted: plain recency (0, the least recent, goes)
         s.unhold(3)
         assert not s.resident(0) and s.resident(3)
+
+
+def test_a_hot_version_cheap_to_rebuild_stays_before_a_rarely_used_long_chain() -> None:
+    # The credit is use × rebuild cost: a keyframe-backed version every request needs is worth
+    # more than a version rebuilt through a long chain that one request in thirty asks for.
+    hot = MemoryCandidate(1, 10, last_used=5.0, tick=1, rebuild_cost=1, uses=30)
+    chain = MemoryCandidate(2, 10, last_used=5.2, tick=2, rebuild_cost=8, uses=1)
+    victims = memory_victim_parts([hot, chain], resident=20, incoming=10, budget=20)
+    assert [c.version for c in victims] == [2]
+    # Uses decay: the same version unused for a minute is worth its recency alone.
+    from oldlogit_service.snapshots.tiers import decayed_uses
+
+    assert decayed_uses(30, 60.0) < 0.01
+    assert decayed_uses(30, 0.0) == 30

@@ -33,6 +33,7 @@ from oldlogit_service.snapshots.tiers import (
     HOST,
     MemoryCandidate,
     TierAccount,
+    decayed_uses,
     memory_victim_parts,
 )
 
@@ -69,7 +70,8 @@ class _Memory:
     patch_used: float = 0.0
     patch_tick: int = 0
     pins: int = 0  # requests holding it (including loads in flight)
-    hits: int = 0  # pins served by the device copy since it was loaded
+    uses: float = 0.0  # requests that used it, decayed (``tiers.decayed_uses``); kept across
+    uses_at: float = 0.0  # evictions, so a hot version is known as hot when it comes back
     retired: bool = False  # deleted: copies go when the last pin does
 
 
@@ -153,11 +155,19 @@ class Residency:
         return m
 
     # -- pins and loads ---------------------------------------------------------------------
-    def pin(self, version: int, nbytes: int, wanted: AbstractSet[int] | None = None) -> Resident:
+    def pin(
+        self,
+        version: int,
+        nbytes: int,
+        wanted: AbstractSet[int] | None = None,
+        *,
+        uses: int = 1,
+    ) -> Resident:
         """Pin ``version`` (``nbytes`` of weights) and return its device copy, loading it if
         needed (the first caller loads, concurrent ones wait). ``wanted``: the versions queued
-        work needs, kept over the others if room must be made (None: as last said). ``unpin``
-        when done; on error it is unpinned already."""
+        work needs, kept over the others if room must be made (None: as last said). ``uses``:
+        how many requests use it (counted for eviction; 0 for a load ahead of the requests).
+        ``unpin`` when done; on error it is unpinned already."""
         with self._lock:
             if wanted is not None:
                 self._wanted = frozenset(wanted)
@@ -165,10 +175,13 @@ class Residency:
             if m.retired:
                 raise self._gone(version)
             m.pins += 1
-            m.last_used, m.tick = self._clock(), next(self._ticks)
+            now = self._clock()
+            m.last_used, m.tick = now, next(self._ticks)
+            if uses:
+                m.uses = decayed_uses(m.uses, now - m.uses_at) + uses
+                m.uses_at = now
             if m.device is not None:
                 self.counters["device_hits"] += 1
-                m.hits += 1
                 return m.device
         try:
             return self._load_shared(version, m, nbytes)
@@ -248,7 +261,6 @@ class Residency:
                     self._cond.notify_all()
                     raise self._gone(version)
                 m.device = dev
-                m.hits = 0
                 self.device_tier.add(dev.nbytes)
                 # Keep the host copy just built, unless the budget cannot hold one (then it
                 # was only a staging buffer).
@@ -428,7 +440,6 @@ class Residency:
             if m.device is not None:
                 self.device_tier.remove(m.device.nbytes, evicted=True)
                 m.device = None
-                m.hits = 0
             if m.host is not None:
                 self.host_tier.remove(m.host.nbytes, evicted=True)
                 m.host = None
@@ -437,6 +448,7 @@ class Residency:
 
     def _candidates_locked(self, tier: TierAccount) -> list[MemoryCandidate]:
         out: list[MemoryCandidate] = []
+        now = self._clock()
         patches_here = tier is self.cpu_tier
         for v, m in self._mem.items():
             if tier is self.device_tier and m.device is not None and m.pins == 0:
@@ -448,7 +460,7 @@ class Residency:
                         m.last_used,
                         m.tick,
                         cost,
-                        hits=m.hits,
+                        uses=decayed_uses(m.uses, now - m.uses_at),
                         wanted=v in self._wanted,
                     )
                 )
@@ -479,12 +491,19 @@ class Residency:
             assert m.device is not None
             tier.remove(m.device.nbytes, evicted=True)
             m.device = None
-            m.hits = 0
         else:
             assert m.host is not None
             tier.remove(m.host.nbytes, evicted=True)
             m.host = None
-        logger.debug("evicted version %d (%s) from the %s tier", c.version, c.part, tier.name)
+        logger.debug(
+            "evicted version %d (%s) from the %s tier (kept until %+.2f s, %.1f uses, cost %.2f)",
+            c.version,
+            c.part,
+            tier.name,
+            c.keep_until - self._clock(),
+            c.uses,
+            c.rebuild_cost,
+        )
 
     def _evict_locked(self, tier: TierAccount, incoming: int = 0) -> None:
         if tier.resident + incoming <= tier.budget:

@@ -181,27 +181,30 @@ class SnapshotStore:
 
     # -- acquire ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def acquire(self, version: int) -> Iterator[Mapping[str, torch.Tensor]]:
-        """Pin ``version`` while the block runs and yield its tensors on the serving device.
+    def acquire(self, version: int, uses: int = 1) -> Iterator[Mapping[str, torch.Tensor]]:
+        """Pin ``version`` while the block runs and yield its tensors on the serving device;
+        ``uses``: the requests it serves (they count for eviction, ``tiers.reuse_factor``).
 
         The mapping and tensors must not be modified or kept after the block: once unpinned
         the version may be evicted and its memory reused.
         """
         version = check_version(version)
         self._check_open()
-        res = self.pin(version)
+        res = self.pin(version, uses=uses)
         try:
             yield MappingProxyType(res.tensors)
         finally:
             self.residency.unpin(version)
 
-    def pin(self, version: int, wanted: AbstractSet[int] | None = None) -> Resident:
+    def pin(
+        self, version: int, wanted: AbstractSet[int] | None = None, *, uses: int = 1
+    ) -> Resident:
         """Pin a retained version in device memory (``residency.unpin`` it after use);
-        ``wanted`` as in ``Residency.pin``."""
+        ``wanted`` and ``uses`` as in ``Residency.pin``."""
         sv = self.registry.get(version)  # UnknownVersion / VersionEvicted
         self.registry.touch(version)
         try:
-            return self.residency.pin(version, sv.nbytes, wanted)
+            return self.residency.pin(version, sv.nbytes, wanted, uses=uses)
         except persist.CorruptSnapshot as exc:
             raise self.quarantine(version, exc) from exc
         except OldLogitError as exc:
@@ -213,7 +216,7 @@ class SnapshotStore:
         load stage, ahead of the batches that need it). ``wanted``: the versions with queued
         work; if room must be made, the copies nobody waits for go first."""
         self._check_open()
-        self.pin(check_version(version), wanted)
+        self.pin(check_version(version), wanted, uses=0)
 
     def unhold(self, version: int) -> None:
         self.residency.unpin(version)

@@ -7,7 +7,6 @@ touches tensors, files or locks, so the policies are tested with plain lists.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ __all__ = [
     "DiskCandidate",
     "MemoryCandidate",
     "TierAccount",
+    "decayed_uses",
     "disk_victims",
     "memory_victim_parts",
     "reuse_factor",
@@ -35,13 +35,25 @@ DISK = "disk"
 REBUILD_WEIGHT_S = 0.1
 
 
-def reuse_factor(hits: int) -> float:
-    """How much a copy's rebuild credit grows with its re-use since it was loaded: 1 for a copy
-    never used again, + 1 per doubling of its hits. A stream of versions each used once (old
-    versions asked for in turn) then cannot push out the version every other request uses,
-    while a copy that stops being used still ages out within seconds (the credit is bounded
-    by the log)."""
-    return 1.0 + math.log2(1 + hits)
+# Half-life of a copy's use count: uses this long ago count half. The count is a recency-weighted
+# frequency kept across evictions, so a version every request needs is known as such when it
+# is loaded again.
+USE_HALF_LIFE_S = 5.0
+
+
+def decayed_uses(uses: float, seconds_since: float) -> float:
+    """A use count ``seconds_since`` its last update, halved every ``USE_HALF_LIFE_S``."""
+    return float(uses * 2.0 ** (-max(0.0, seconds_since) / USE_HALF_LIFE_S))
+
+
+def reuse_factor(uses: float) -> float:
+    """How much a copy's rebuild credit grows with its use: 1 for a copy nobody uses, + 1 per
+    recent use (``decayed_uses``). The credit is the expected cost of evicting it — how often it
+    is used × what bringing it back costs — so a hot version that is cheap to rebuild is not
+    dropped for a rarely used one with a long chain, a stream of versions each used once cannot
+    push out the version every request uses, and a copy nobody uses any more ages out within a
+    few half-lives."""
+    return 1.0 + uses
 
 
 @dataclass
@@ -97,14 +109,14 @@ class MemoryCandidate:
     # version rebuilt through a chain of patches, a fraction for a decoded patch.
     rebuild_cost: float
     part: str = "weights"  # or "patch"
-    hits: int = 0  # uses since it was loaded (``reuse_factor``)
+    uses: float = 0.0  # recent uses, decayed to now (``decayed_uses``, ``reuse_factor``)
     wanted: bool = False  # queued work needs it: dropped only after every copy nothing needs
 
     @property
     def keep_until(self) -> float:
         """The eviction key: last use, credited for what bringing it back would cost, the more
         the more it has been re-used."""
-        return self.last_used + REBUILD_WEIGHT_S * self.rebuild_cost * reuse_factor(self.hits)
+        return self.last_used + REBUILD_WEIGHT_S * self.rebuild_cost * reuse_factor(self.uses)
 
 
 def memory_victim_parts(

@@ -620,7 +620,7 @@ class Runtime:
             head_dtype="float32" if s.lm_head_fp32 else s.dtype,
             device=str(m.device),
             mode=self.mode,
-            fast_mode_max_abs_deviation=self.fast_deviation if self.mode == "fast" else None,
+            fast_mode_max_abs_deviation=self.fast_deviation,  # None unless hf fast mode
             limits={
                 "max_seq_len": self.limits.max_seq_len,
                 "max_tokens_per_request": self.limits.max_tokens_per_request,

@@ -328,6 +328,12 @@ class Info(_Model):
     attention: str = ""
     numerics_revision: int = 0
     torch_version: str = ""
+    # The forward's non-weight floating buffers (name → "dtype:sha256[:16]"), how the service
+    # obtains them ("config": built from config.json at the serving dtype, never cast), and the
+    # transformers release of the modeling code (docs/exactness.md).
+    buffers: dict[str, str] = Field(default_factory=dict)
+    buffer_convention: str = ""
+    transformers_version: str = ""
     # The weights a version holds and the other names they arrive under (README "Use with
     # your trainer"): what ``Client.publish`` maps a trainer's state dict onto.
     weight_specs: dict[str, TensorInfo] = Field(default_factory=dict)
@@ -360,4 +366,6 @@ class Info(_Model):
             attention=self.attention,
             revision=self.numerics_revision,
             torch_version=self.torch_version,
+            buffers=tuple(sorted(self.buffers.items())),
+            transformers_version=self.transformers_version,
         )

@@ -9,17 +9,16 @@ other models. No weights are held here.
 
 from __future__ import annotations
 
-import contextlib
-import re
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+
+from oldlogit.parity.skeleton import build_skeleton, params_on_meta
 
 __all__ = [
     "CallableBackend",
@@ -29,32 +28,8 @@ __all__ = [
     "params_on_meta",
 ]
 
-# ----------------------------------------------------------------------------------- skeleton
-
-_META_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device; buffers stay real.
-
-    Buffers must stay real because some are computed at construction and never loaded (HF
-    rotary ``inv_freq``). Patches ``nn.Module.register_parameter`` process-wide while active,
-    so a lock serialises builders; build nothing else concurrently in other threads.
-    """
-    original = nn.Module.register_parameter
-
-    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    with _META_LOCK:
-        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
+# The skeleton (parameters on meta, real buffers) is built by oldlogit.parity.skeleton, the same
+# code a trainer under trainer_numerics takes its non-weight buffers from.
 
 
 @runtime_checkable
@@ -110,25 +85,7 @@ class TransformersBackend:
         self._layouts: weakref.WeakKeyDictionary[nn.Module, _HFLayout] = weakref.WeakKeyDictionary()
 
     def build(self, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-        from transformers import AutoConfig
-
-        fields = {
-            k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")
-        }
-        if "model_type" not in config:
-            raise ValueError("config.json has no 'model_type': not an HF-format model directory")
-        hf_config = AutoConfig.for_model(config["model_type"], **fields)
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if self.attn_implementation is not None:
-            kwargs["attn_implementation"] = self.attn_implementation
-        with params_on_meta():
-            module: nn.Module = auto_causal_lm().from_config(hf_config, **kwargs)
-        # Tying is what makes lm_head.weight *the same* meta Parameter as the embedding, so the
-        # canonical names (and functional_call) see one tensor.
-        module.tie_weights()  # type: ignore[operator]
-        _keep_in_fp32(module, dtype)
-        module.eval()
-        return module
+        return build_skeleton(config, dtype, attn_implementation=self.attn_implementation)
 
     def _layout(self, module: nn.Module) -> _HFLayout:
         layout = self._layouts.get(module)
@@ -183,30 +140,6 @@ class TransformersBackend:
         layout = self._layout(module)
         bias = weights[layout.head_bias] if layout.head_bias is not None else None
         return weights[layout.head_weight], bias
-
-
-def _keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
-    """The tensors ``from_pretrained(dtype=...)`` keeps in float32 (a model's
-    ``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek-V3's routing bias), float32 here too:
-    a trainer's state dict holds them so, and they are part of the numerics."""
-    get_plan = getattr(module, "_get_dtype_plan", None)
-    plan: dict[str, torch.dtype] = get_plan(dtype) if callable(get_plan) else {}
-    if not plan:
-        return
-    patterns = [re.compile(re.escape(k).replace(r"\*", r"[^.]+")) for k in plan]
-    for sub_name, sub in module.named_modules():
-        for store in (sub._parameters, sub._buffers):
-            for name, tensor in list(store.items()):
-                full = f"{sub_name}.{name}" if sub_name else name
-                if tensor is None or not any(p.search(full) for p in patterns):
-                    continue
-                if tensor.is_floating_point() and tensor.dtype != torch.float32:
-                    if isinstance(tensor, nn.Parameter):
-                        store[name] = nn.Parameter(
-                            tensor.detach().to(torch.float32), requires_grad=tensor.requires_grad
-                        )
-                    else:
-                        store[name] = tensor.to(torch.float32)
 
 
 class CallableBackend:

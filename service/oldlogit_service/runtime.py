@@ -37,6 +37,7 @@ from oldlogit.errors import (
     Unauthorized,
     Unavailable,
 )
+from oldlogit.parity import BUFFER_CONVENTION
 from oldlogit.types import (
     Info,
     LeaseInfo,
@@ -641,6 +642,9 @@ class Runtime:
             attention=spec.attention,
             numerics_revision=spec.revision,
             torch_version=spec.torch_version,
+            buffers=dict(spec.buffers),
+            buffer_convention=BUFFER_CONVENTION,
+            transformers_version=spec.transformers_version,
             **weight_layout_info(m.layout),
         )
 

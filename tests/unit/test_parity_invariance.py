@@ -24,6 +24,7 @@ from oldlogit.parity import (
     trainer_numerics,
 )
 from oldlogit.parity.attention import ATTENTION_NAME, InvariantNumericsError, plan_segments
+from oldlogit.parity.ops import TileMode
 
 VOCAB = 300
 
@@ -237,12 +238,20 @@ def test_every_matmul_is_covered_or_refused():
 
     mlp.forward = uncovered.__get__(mlp)  # type: ignore[method-assign]
     try:
-        with trainer_numerics(model), pytest.raises(UncoveredMatmul, match="matmul"):
-            model(input_ids=ids)
+        # A forward that is not transformers' is refused by name before any call ...
+        with pytest.raises(InvariantNumericsError, match=r"model\.layers\.0\.mlp runs .*uncovered"):
+            with trainer_numerics(model):
+                pass
         with trainer_numerics(model, strict=False):
             model(input_ids=ids)  # allowed, without the guarantee
     finally:
         mlp.forward = original.__get__(mlp)  # type: ignore[method-assign]
+    # ... and a matmul outside the tiles is refused where it runs, whoever wrote it.
+    x = torch.randn(5, 8)
+    with TileMode(64, True, None, False), pytest.raises(UncoveredMatmul, match="matmul"):
+        torch.matmul(x, x.t())
+    with TileMode(64, False, None, False):
+        torch.matmul(x, x.t())  # strict=False: allowed
 
 
 def test_generation_runs_the_models_own_forward_under_the_patch():

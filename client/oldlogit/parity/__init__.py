@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._spec import (
+    BUFFER_CONVENTION,
     DEFAULT_TILE_ROWS,
     PROFILES,
     NumericsMismatch,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .tiles import tiled_linear, tiled_mm
 
 __all__ = [
+    "BUFFER_CONVENTION",
     "DEFAULT_TILE_ROWS",
     "PROFILES",
     "NumericsMismatch",

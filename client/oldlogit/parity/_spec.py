@@ -7,10 +7,12 @@ disagree on. Imported by the torch-free client; never imports torch.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "BUFFER_CONVENTION",
     "DEFAULT_TILE_ROWS",
     "NUMERICS_REVISION",
     "PROFILES",
@@ -31,6 +33,12 @@ DEFAULT_TILE_ROWS = 64
 # different revisions may disagree in last bits, and result caches keyed on another revision
 # are never read.
 NUMERICS_REVISION = 2
+
+# How the service gets the floating buffers a forward reads that are not weights (rotary
+# ``inv_freq``, embedding scales): built from the config at the serving dtype by transformers'
+# own constructors, never cast afterwards (``skeleton.py``). Reported in /v1/info; a trainer
+# under ``trainer_numerics`` computes with the same values.
+BUFFER_CONVENTION = "config"
 
 Profile = Literal["invariant", "hf"]
 PROFILES: tuple[Profile, ...] = ("invariant", "hf")
@@ -78,15 +86,21 @@ class NumericsSpec:
     attention: str = ""  # the attention kernel, e.g. "oldlogit_invariant/sdpa" or "sdpa"
     revision: int = NUMERICS_REVISION
     torch_version: str = ""
+    buffers: tuple[tuple[str, str], ...] = ()
+    transformers_version: str = ""
 
     @property
     def key(self) -> str:
         """One string naming these numerics (result-cache keys, logs)."""
         tiles = f"tile={self.tile_rows}" if self.tile_rows else "tile=-"
         head = "head=float32" if self.lm_head_fp32 else f"head={self.dtype}"
+        buffers = (
+            hashlib.sha256(repr(self.buffers).encode()).hexdigest()[:12] if self.buffers else "-"
+        )
         return (
             f"{self.profile}/{self.dtype}/{self.device_kind}/{tiles}/threads={self.threads}/"
             f"{head}/{self.attention or '-'}/rev={self.revision}/torch={self.torch_version or '-'}"
+            f"/tf={self.transformers_version or '-'}/buffers={buffers}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,4 +126,10 @@ class NumericsSpec:
         cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
         if cpu and self.threads != other.threads:
             out.append(f"threads: {self.threads} here, {other.threads} there")
+        if self.buffers and other.buffers:
+            mine, theirs = dict(self.buffers), dict(other.buffers)
+            for name in sorted(set(mine) | set(theirs)):
+                a, b = mine.get(name, "absent"), theirs.get(name, "absent")
+                if a != b:
+                    out.append(f"buffer {name}: {a} here, {b} there")
         return out

@@ -12,26 +12,44 @@ token's expert choice and its sum over experts never depend on the batch. A deco
 activation checkpointing recomputes it under the same mode, so the backward sees the forward's
 numerics.
 A call with a KV cache (``generate``) runs the model's own forward: sampling is not scoring.
-On exit (``restore``) the model is exactly as before.
+
+What the forward computes in is judged from the live setup (``setups.compute_dtype``): FSDP's
+``param_dtype``, ``torch.autocast`` around the call, or the parameters. Under autocast over
+float32 parameters the patch computes as FSDP mixed precision does — the parameters cast to the
+autocast dtype for the forward (gradients flow back to them), autocast itself off inside, so
+the forward is the service's model at that dtype. The floating buffers the forward reads that
+are not weights (rotary ``inv_freq``, embedding scales) are, while patched, the values a model
+built from the config at that dtype holds (``skeleton.reference_buffers``: what the service
+runs; a ``model.to(torch.bfloat16)`` had cast them). A module whose forward is neither
+transformers' nor torch's (liger-kernel, PEFT, a hand-written forward) is refused by name in
+strict mode. Under ``torch.compile`` the patched forward runs eagerly (compiled code fuses ops
+and would change bits). On exit (``restore``) the model is exactly as before.
 """
 
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
+import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from . import attention
 from ._spec import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments
 from .ops import TileMode, UncoveredMatmul, stable_topk
+from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
+from .skeleton import buffer_digests, build_skeleton, reference_buffers
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EAGER_EXPERTS",
@@ -114,6 +132,15 @@ def _configs(model: nn.Module) -> list[Any]:
 
 
 @dataclass
+class _Reference:
+    """What a model built from the config at one dtype holds: its non-weight floating buffers
+    (on CPU) and each parameter's dtype (float32 where the model keeps a tensor in float32)."""
+
+    buffers: dict[str, Tensor]
+    param_dtypes: dict[str, torch.dtype]
+
+
+@dataclass
 class NumericsPatch:
     """A model under the invariant numerics; ``restore()`` undoes everything."""
 
@@ -121,8 +148,17 @@ class NumericsPatch:
     tile_rows: int
     lm_head_fp32: bool
     strict: bool
+    wrapper: nn.Module | None = None  # what the trainer passed (DDP, FSDP1) around ``model``
+    like: NumericsSpec | None = None
     _restore: list[Callable[[], None]] = field(default_factory=list)
     _plain_attention: list[tuple[Any, Any]] = field(default_factory=list)  # (config, original)
+    _refs: dict[torch.dtype, _Reference] = field(default_factory=dict)
+    # The trainer's non-weight floating buffers: clean name → (owner module, attribute).
+    _buffer_slots: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    _installed: tuple[torch.dtype, dict[str, Tensor]] | None = None
+    _compute: ComputeDtype | None = None
+    _sharded: tuple[bool, torch.dtype | None, str] = (False, None, "")
+    device_type: str = "cpu"  # of the last call (autocast is per device type)
 
     @contextmanager
     def plain(self) -> Iterator[None]:
@@ -137,17 +173,150 @@ class NumericsPatch:
                 cfg._attn_implementation_internal = current
 
     @property
+    def compute(self) -> ComputeDtype:
+        """What the forward computes in, as last judged (at the patch, then at each call)."""
+        assert self._compute is not None
+        return self._compute
+
+    @property
     def spec(self) -> NumericsSpec:
         return local_spec(
             self.model,
             profile="invariant",
             tile_rows=self.tile_rows,
             lm_head_fp32=self.lm_head_fp32,
+            dtype=self.compute.dtype,
+            buffers=self._installed[1] if self._installed else None,
         )
 
     def restore(self) -> None:
         while self._restore:
             self._restore.pop()()
+
+    # -- what a model built from the config holds --------------------------------------------
+
+    def reference(self, dtype: torch.dtype) -> _Reference:
+        """The skeleton at ``dtype`` (built once per dtype, parameters on meta)."""
+        ref = self._refs.get(dtype)
+        if ref is None:
+            skeleton = _skeleton_of(self.model, dtype)
+            ref = _Reference(
+                buffers={n: b.detach().to("cpu") for n, b in reference_buffers(skeleton).items()},
+                param_dtypes={n: p.dtype for n, p in skeleton.named_parameters()},
+            )
+            self._refs[dtype] = ref
+        return ref
+
+    def install_buffers(self, dtype: torch.dtype) -> None:
+        """Put the reference buffers for ``dtype`` in the trainer's modules (idempotent; a
+        wrapper that re-cast them since, e.g. FSDP1's ``buffer_dtype``, is overridden)."""
+        if self._installed is None or self._installed[0] != dtype:
+            ref = self.reference(dtype)
+            mine, theirs = set(self._buffer_slots), set(ref.buffers)
+            if mine != theirs:
+                extra = sorted(mine - theirs)
+                missing = sorted(theirs - mine)
+                raise InvariantNumericsError(
+                    "the model's non-weight buffers are not those of a model built from its "
+                    f"config (only here: {extra or 'none'}; only in the config's model: "
+                    f"{missing or 'none'}): oldlogit cannot know what the service reads for them"
+                )
+            values = {}
+            for name, (owner, attr) in self._buffer_slots.items():
+                current = owner._buffers[attr]
+                assert current is not None
+                value = ref.buffers[name]
+                if tuple(value.shape) != tuple(current.shape):
+                    raise InvariantNumericsError(
+                        f"buffer {name}: shape {list(current.shape)} here, "
+                        f"{list(value.shape)} in a model built from the config"
+                    )
+                values[name] = value.to(current.device)
+            self._installed = (dtype, values)
+        for name, (owner, attr) in self._buffer_slots.items():
+            value = self._installed[1][name]
+            if owner._buffers[attr] is not value:
+                owner._buffers[attr] = value
+
+    def judge(self, device_type: str | None) -> ComputeDtype:
+        """The compute dtype of a call on ``device_type`` (None: outside a call), checked
+        against ``like`` and with the matching buffers installed."""
+        compute = compute_dtype(self.model, device_type, sharded=self._sharded)
+        like = self.like
+        if like is not None and compute.name != like.dtype:
+            if device_type is None and _autocast_may_fix(compute, like):
+                # Judged again at each call: the forward may run inside torch.autocast.
+                compute = ComputeDtype(compute.dtype, compute.source, sharded=compute.sharded)
+                self._compute = compute
+                self.install_buffers(_dtype(like.dtype))
+                return compute
+            raise NumericsMismatch(
+                f"the trainer's numerics differ from the service's: compute dtype "
+                f"{compute.name!r} here (from {compute.source}), {like.dtype!r} there. "
+                + _dtype_fix(like.dtype)
+            )
+        self._compute = compute
+        self.install_buffers(compute.dtype)
+        if like is not None and device_type is None:
+            problems = self.spec.mismatches(like)
+            if problems:
+                raise NumericsMismatch(
+                    "the trainer's numerics differ from the service's: " + "; ".join(problems)
+                )
+        return compute
+
+    @contextmanager
+    def cast_parameters(self, module: nn.Module, prefix: str = "") -> Iterator[None]:
+        """``module``'s parameters cast to the reference dtypes for the duration (autocast
+        over float32 masters; differentiable: gradients reach the masters)."""
+        ref = self.reference(self.compute.dtype)
+        casts: dict[str, Tensor] = {}
+        for name, param in module.named_parameters():
+            want = ref.param_dtypes.get(clean_name(prefix + name), self.compute.dtype)
+            if param.is_floating_point() and param.dtype != want:
+                casts[name] = param.to(want)
+        if not casts:
+            yield
+            return
+        with _reparametrize_module(module, casts, tie_weights=True):
+            yield
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise NumericsMismatch(f"unknown dtype {name!r}")
+    return value
+
+
+def _autocast_may_fix(compute: ComputeDtype, like: NumericsSpec) -> bool:
+    """Float32 parameters, not held by FSDP: a torch.autocast around the call may give the
+    service's dtype, so the judgement waits for the call."""
+    return compute.dtype == torch.float32 and not compute.sharded and like.dtype != "float32"
+
+
+def _dtype_fix(dtype: str) -> str:
+    return (
+        f"Load the model in {dtype} (from_pretrained(dtype=torch.{dtype}) or "
+        f"model.to(torch.{dtype})), run the forward inside torch.autocast(device_type, "
+        f"dtype=torch.{dtype}), or shard with FSDP MixedPrecisionPolicy(param_dtype=torch."
+        f"{dtype}) — or serve with --dtype matching the trainer"
+    )
+
+
+def _skeleton_of(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The trainer's model class built from its config at ``dtype`` (parameters on meta)."""
+    cls = next(
+        (c for c in type(model).__mro__ if c.__module__.startswith("transformers.")),
+        None,
+    )
+    if cls is None or not hasattr(cls, "_from_config"):
+        raise InvariantNumericsError(
+            f"{type(model).__name__} is not a transformers model class: oldlogit cannot build "
+            "it from its config to know the buffers the service computes"
+        )
+    config = copy.deepcopy(model.config)
+    return build_skeleton(config, dtype, attn_implementation="eager", model_class=cls)
 
 
 def active_patch(model: nn.Module) -> NumericsPatch | None:
@@ -175,8 +344,12 @@ def local_spec(
     profile: str,
     tile_rows: int | None,
     lm_head_fp32: bool,
+    dtype: torch.dtype | None = None,
+    buffers: Mapping[str, Tensor] | None = None,
 ) -> NumericsSpec:
-    """The numerics ``model`` runs with in this process (dtype and device of its head)."""
+    """The numerics ``model`` runs with in this process: ``dtype`` (default: what its forward
+    computes in, ``setups.compute_dtype``), the device of its head, ``buffers`` (default: its
+    own non-weight floating buffers)."""
     core = unwrap_model(model)
     head = core.get_output_embeddings()  # type: ignore[operator]
     weight = head.weight
@@ -187,16 +360,30 @@ def local_spec(
         if profile == "invariant"
         else str(getattr(config, "_attn_implementation", "eager"))
     )
+    if dtype is None:
+        dtype = compute_dtype(core, None, sharded=sharded_precision(model)).dtype
+    if buffers is None:
+        buffers = {clean_name(n): b for n, b in reference_buffers(core).items()}
     return NumericsSpec(
         profile=profile,  # type: ignore[arg-type]
-        dtype=str(weight.dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
         device_kind=device_kind,
         tile_rows=tile_rows if profile == "invariant" else None,
         threads=torch.get_num_threads() if device_kind == "cpu" else 0,
         lm_head_fp32=lm_head_fp32,
         attention=attn,
         torch_version=str(torch.__version__),
+        buffers=buffer_digests(buffers),
+        transformers_version=_transformers_version(),
     )
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - the trainer extra installs it
+        return ""
+    return str(transformers.__version__)
 
 
 def patch_numerics(
@@ -209,9 +396,12 @@ def patch_numerics(
 ) -> NumericsPatch:
     """Put ``model`` under the invariant numerics until ``restore()``; see the module docstring.
 
-    ``like``: the numerics of the other side (e.g. ``Client.info().numerics_spec``): its tile
-    rows and head setting are adopted, and a dtype, device kind or CPU thread count that differs
-    from this process is refused with ``NumericsMismatch`` naming it.
+    ``like``: the numerics of the other side (e.g. ``Client.info().numerics_spec()``): its tile
+    rows and head setting are adopted, and a compute dtype, device kind, CPU thread count or
+    non-weight buffer that differs from this process is refused with ``NumericsMismatch``
+    naming it — here, or at the first call when only a ``torch.autocast`` around it can decide
+    the dtype. ``strict=False`` runs modules and matmuls oldlogit cannot vouch for, without
+    the guarantee.
     """
     core = unwrap_model(model)
     if not callable(getattr(core, "get_output_embeddings", None)):
@@ -225,16 +415,31 @@ def patch_numerics(
                 "matched by patching a trainer"
             )
         tile_rows, lm_head_fp32 = like.tile_rows, like.lm_head_fp32
-        mine = local_spec(core, profile="invariant", tile_rows=tile_rows, lm_head_fp32=lm_head_fp32)
-        problems = mine.mismatches(like)
-        if problems:
-            raise NumericsMismatch(
-                "the trainer's numerics differ from the service's: " + "; ".join(problems)
-            )
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
+    if strict:
+        _refuse_foreign_code(core)
+    if _compiled(model) or _compiled(core):
+        logger.warning(
+            "torch.compile: under trainer_numerics the model's forward runs eagerly (compiled "
+            "code fuses ops and would change bits); the rest of the step stays compiled"
+        )
     attention.register()
-    patch = NumericsPatch(core, tile_rows, lm_head_fp32, strict)
+    wrapper = model if model is not core else None
+    patch = NumericsPatch(core, tile_rows, lm_head_fp32, strict, wrapper=wrapper, like=like)
+    patch._sharded = sharded_precision(model)
+    non_weight = {clean_name(n) for n in reference_buffers(core)}
+    for name, module in core.named_modules():
+        for attr, buf in module._buffers.items():
+            full = clean_name(f"{name}.{attr}" if name else attr)
+            if buf is not None and full in non_weight and full not in patch._buffer_slots:
+                patch._buffer_slots[full] = (module, attr)
+                patch._restore.append(functools.partial(module._buffers.__setitem__, attr, buf))
+    try:
+        patch.judge(None)
+    except BaseException:
+        patch.restore()
+        raise
 
     for cfg in _configs(core):
         old = cfg._attn_implementation_internal
@@ -268,16 +473,22 @@ def patch_numerics(
     def forward(*args: Any, **kwargs: Any) -> Any:
         return _invariant_call(patch, original, args, kwargs)
 
-    _set_forward(core, forward)
+    _set_forward(core, _eager(forward))
     # Activation checkpointing recomputes decoder layers in the backward, outside the model's
     # forward: the function a layer hands to its checkpoint function re-enters the mode.
+    # The parameter cast of an autocast trainer is re-entered too (the recompute runs after the
+    # forward's cast has ended).
     head: nn.Module | None = core.get_output_embeddings()  # type: ignore[operator]
-    for module in core.modules():
+    for name, module in core.named_modules():
         if module is core or not _is_checkpoint_layer(module):
             continue
 
         def layer(
-            *a: Any, _f: Callable[..., Any] = module.forward, _m: nn.Module = module, **k: Any
+            *a: Any,
+            _f: Callable[..., Any] = module.forward,
+            _m: nn.Module = module,
+            _p: str = f"{name}.",
+            **k: Any,
         ) -> Any:
             ckpt: Callable[..., Any] | None = _m.__dict__.get("_gradient_checkpointing_func")
             if ckpt is None:
@@ -285,7 +496,12 @@ def patch_numerics(
 
             def under_numerics(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
                 def run(*ra: Any, **rk: Any) -> Any:
-                    with _tile_mode(patch, head, patch.lm_head_fp32):
+                    cast = patch.compute.cast_params
+                    with (
+                        _tile_mode(patch, head, patch.lm_head_fp32),
+                        torch.autocast(patch.device_type, enabled=False),
+                        patch.cast_parameters(_m, _p) if cast else nullcontext(),
+                    ):
                         return fn(*ra, **rk)
 
                 return ckpt(run, *args, **kw)
@@ -338,8 +554,59 @@ def _invariant_call(
     kwargs["use_cache"] = False
     fp32 = _HEAD_FP32.get()
     head = patch.model.get_output_embeddings()  # type: ignore[operator]
-    with _tile_mode(patch, head, patch.lm_head_fp32 if fp32 is None else fp32):
+    patch.device_type = ref.device.type
+    compute = patch.judge(patch.device_type)
+    # Inside, the model computes as the service's model at the compute dtype: autocast's
+    # per-op casts (float32 softmax, norms) would make it another function.
+    with (
+        torch.autocast(patch.device_type, enabled=False),
+        patch.cast_parameters(patch.model) if compute.cast_params else nullcontext(),
+        _tile_mode(patch, head, patch.lm_head_fp32 if fp32 is None else fp32),
+    ):
         return original(**kwargs)
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly even inside ``torch.compile`` (see the module docstring)."""
+    disable = getattr(torch.compiler, "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+def _compiled(module: nn.Module) -> bool:
+    """``torch.compile(model)`` or ``model.compile()`` (the model or any submodule)."""
+    if isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+def _refuse_foreign_code(core: nn.Module) -> None:
+    found = foreign_code(core, set())
+    if not found:
+        return
+    where = ", ".join(f"{name} runs {fn}" for name, fn in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    origins = {fn.split(".")[0] for _, fn in found}
+    if "liger_kernel" in origins:
+        fix = (
+            "liger-kernel's patches replace transformers' modules and the logprob path with "
+            "fused kernels the service does not run: load the model without "
+            "apply_liger_kernel_to_* (TRL: use_liger_kernel=False; verl: use_fused_kernels=False)"
+        )
+    elif "peft" in origins:
+        fix = (
+            "a PEFT adapter computes W·x + B·A·x, the service the published (merged) weights: "
+            "publish and score merged weights (model.merge_and_unload())"
+        )
+    else:
+        fix = (
+            "the service runs transformers' own forward of the published weights; run the "
+            "model's transformers classes unmodified"
+        )
+    raise InvariantNumericsError(
+        f"modules whose forward is not transformers' or torch's: {where}{more}. {fix} "
+        "(strict=False runs them anyway, without the guarantee; oldlogit.parity.verify "
+        "then says whether the bits hold)"
+    )
 
 
 @contextmanager

@@ -855,6 +855,26 @@ class Info(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class BuffersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_TYPE_FIELD_NUMBER: _builtins.int
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -880,6 +900,9 @@ class Info(_message.Message):
     IGNORED_WEIGHTS_FIELD_NUMBER: _builtins.int
     NUMERICS_REVISION_FIELD_NUMBER: _builtins.int
     TORCH_VERSION_FIELD_NUMBER: _builtins.int
+    BUFFERS_FIELD_NUMBER: _builtins.int
+    BUFFER_CONVENTION_FIELD_NUMBER: _builtins.int
+    TRANSFORMERS_VERSION_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -920,6 +943,12 @@ class Info(_message.Message):
     """oldlogit's numerics revision: bumped when a release changes the bits for the same settings."""
     torch_version: _builtins.str
     """The torch build computing the logprobs, e.g. "2.13.0+cpu" (kernels change between builds)."""
+    buffer_convention: _builtins.str
+    """How those buffers are obtained: "config" = built from config.json at the serving dtype by
+    transformers' constructors, never cast.
+    """
+    transformers_version: _builtins.str
+    """The transformers release whose modeling code computes the forward."""
     @_builtins.property
     def limits(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Request limits by name, e.g. "max_batch_tokens"."""
@@ -945,6 +974,13 @@ class Info(_message.Message):
     @_builtins.property
     def ignored_weights(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Buffers a checkpoint may hold that are not weights (computed from the config): ignored."""
+
+    @_builtins.property
+    def buffers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The floating tensors the forward reads that are not weights (rotary inv_freq, embedding
+        scales): name → "dtype:sha256[:16]" of shape and raw bytes. A trainer under
+        oldlogit.parity.trainer_numerics(like=...) computes with the same values or is refused.
+        """
 
     def __init__(
         self,
@@ -974,10 +1010,13 @@ class Info(_message.Message):
         ignored_weights: _abc.Iterable[_builtins.str] | None = ...,
         numerics_revision: _builtins.int = ...,
         torch_version: _builtins.str = ...,
+        buffers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        buffer_convention: _builtins.str = ...,
+        transformers_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015

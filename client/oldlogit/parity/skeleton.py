@@ -1,0 +1,157 @@
+"""A model built from its config alone: what the service runs, and what a trainer is held to.
+
+In: an HF config (a dict from config.json, or a ``PretrainedConfig``) and a dtype. Out: the
+causal LM with its parameters on the meta device and its buffers real, exactly as the service
+builds its skeleton (``build_skeleton``), and that skeleton's non-weight floating buffers
+(``reference_buffers``: rotary ``inv_freq``, embedding scales — the tensors a forward reads
+that no checkpoint carries). Both sides get those buffers from here, so a trainer whose
+buffers were cast (``model.to(torch.bfloat16)``) computes with the service's values under
+``trainer_numerics``. Must not know about tiles, segments or the service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._spec import BUFFER_CONVENTION
+
+__all__ = [
+    "BUFFER_CONVENTION",
+    "buffer_digests",
+    "build_skeleton",
+    "keep_in_fp32",
+    "params_on_meta",
+    "reference_buffers",
+    "weight_buffers",
+]
+
+_META_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device; buffers stay real.
+
+    Buffers must stay real because some are computed at construction and never loaded (HF
+    rotary ``inv_freq``). Patches ``nn.Module.register_parameter`` process-wide while active,
+    so a lock serialises builders; build nothing else concurrently in other threads.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    with _META_LOCK:
+        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _hf_config(config: Mapping[str, Any] | Any) -> Any:
+    if not isinstance(config, Mapping):
+        return config  # a PretrainedConfig already
+    from transformers import AutoConfig
+
+    if "model_type" not in config:
+        raise ValueError("config.json has no 'model_type': not an HF-format model directory")
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    return AutoConfig.for_model(config["model_type"], **fields)
+
+
+def build_skeleton(
+    config: Mapping[str, Any] | Any,
+    dtype: torch.dtype,
+    *,
+    attn_implementation: str | None = None,
+    model_class: type[nn.Module] | None = None,
+) -> nn.Module:
+    """The causal LM for ``config`` at ``dtype``: parameters on meta, real buffers, eval mode.
+
+    ``model_class``: build this class (a trainer's own) rather than the one
+    ``AutoModelForCausalLM`` picks for the config. Tied parameters are tied (one meta tensor),
+    and the tensors ``from_pretrained(dtype=...)`` keeps in float32 are float32 here too.
+    """
+    hf_config = _hf_config(config)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with params_on_meta():
+        if model_class is not None:
+            module: nn.Module = model_class._from_config(hf_config, **kwargs)  # type: ignore[attr-defined]
+        else:
+            from transformers import AutoModelForCausalLM
+
+            module = AutoModelForCausalLM.from_config(hf_config, **kwargs)  # type: ignore[no-untyped-call]
+    # Tying is what makes lm_head.weight *the same* meta Parameter as the embedding, so the
+    # canonical names (and functional_call) see one tensor.
+    module.tie_weights()  # type: ignore[operator]
+    keep_in_fp32(module, dtype)
+    module.eval()
+    return module
+
+
+def keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
+    """The tensors ``from_pretrained(dtype=...)`` keeps in float32 (a model's
+    ``_keep_in_fp32_modules[_strict]``, e.g. DeepSeek-V3's routing bias), float32 here too:
+    a trainer's state dict holds them so, and they are part of the numerics."""
+    get_plan = getattr(module, "_get_dtype_plan", None)
+    plan: dict[str, torch.dtype] = get_plan(dtype) if callable(get_plan) else {}
+    if not plan:
+        return
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"[^.]+")) for k in plan]
+    for sub_name, sub in module.named_modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in list(store.items()):
+                full = f"{sub_name}.{name}" if sub_name else name
+                if tensor is None or not any(p.search(full) for p in patterns):
+                    continue
+                if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                    if isinstance(tensor, nn.Parameter):
+                        store[name] = nn.Parameter(
+                            tensor.detach().to(torch.float32), requires_grad=tensor.requires_grad
+                        )
+                    else:
+                        store[name] = tensor.to(torch.float32)
+
+
+def weight_buffers(module: nn.Module) -> frozenset[str]:
+    """Names of the persistent buffers (a checkpoint carries them: weights, not buffers)."""
+    state = module.state_dict(keep_vars=True)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return frozenset(n for n in state if n not in params)
+
+
+def reference_buffers(module: nn.Module) -> dict[str, Tensor]:
+    """The floating buffers ``module``'s forward reads that are not weights: the non-persistent
+    ones (``named_buffers`` minus the state dict), by name."""
+    persistent = weight_buffers(module)
+    return {
+        n: b
+        for n, b in module.named_buffers(remove_duplicate=False)
+        if n not in persistent and b.is_floating_point()
+    }
+
+
+def _digest(t: Tensor) -> str:
+    data = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(str(tuple(data.shape)).encode())
+    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"{str(t.dtype).removeprefix('torch.')}:{h.hexdigest()[:16]}"
+
+
+def buffer_digests(buffers: Mapping[str, Tensor]) -> tuple[tuple[str, str], ...]:
+    """``(name, "dtype:sha256[:16]")`` per buffer, sorted: what ``NumericsSpec.buffers`` holds
+    (the digest covers shape and raw bytes, so a cast or a different formula shows)."""
+    return tuple(sorted((n, _digest(t)) for n, t in buffers.items()))

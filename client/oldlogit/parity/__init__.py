@@ -26,6 +26,7 @@ from ._spec import (
 )
 
 if TYPE_CHECKING:
+    from .attention import InvariantNumericsError
     from .compare import ParityReport, compare
     from .logprobs import decoder_hidden, head_logits, processed_logprobs, token_logprobs
     from .numerics import (
@@ -42,6 +43,7 @@ __all__ = [
     "BUFFER_CONVENTION",
     "DEFAULT_TILE_ROWS",
     "PROFILES",
+    "InvariantNumericsError",
     "NumericsMismatch",
     "NumericsPatch",
     "NumericsSpec",
@@ -63,6 +65,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "InvariantNumericsError": "attention",
     "ParityReport": "compare",
     "compare": "compare",
     "decoder_hidden": "logprobs",

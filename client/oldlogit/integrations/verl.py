@@ -1,25 +1,47 @@
-"""verl: π_old for a verl rollout batch, in the shape of verl's ``compute_log_prob``.
+"""verl: π_old from the service for a verl batch, and verl's own π_θ under the same numerics.
 
-In: a verl-style batch — a mapping, or anything with a ``.batch`` mapping (``DataProto``) —
-holding ``input_ids`` [bs, T] (prompt left-padded, response right-padded), ``attention_mask``
-[bs, T], ``responses`` [bs, R] (the last R columns of ``input_ids``) and optionally
-``response_mask`` [bs, R] (else ``attention_mask[:, -R:]``); ``position_ids`` is not needed
-(the service counts positions per sequence). Versions: ``policy_version`` for the whole batch,
-or ``versions`` per sample [bs] or per response token [bs, R] (a partial rollout that spans
-versions). Out: ``{"old_log_probs": [bs, R], "old_log_probs_mask": [bs, R]}``, float32 and
-0 where unscored, torch when the batch is. verl itself is never imported.
+``compute_old_log_prob(client, batch, ...)``: π_old for a verl rollout batch, in the shape of
+verl's ``compute_log_prob``. In: a verl-style batch — a mapping, or anything with a ``.batch``
+mapping (``DataProto``) — holding ``input_ids`` [bs, T] (prompt left-padded, response
+right-padded), ``attention_mask`` [bs, T], ``responses`` [bs, R] (the last R columns of
+``input_ids``) and optionally ``response_mask`` [bs, R] (else ``attention_mask[:, -R:]``);
+``position_ids`` is not needed (the service counts positions per sequence). Versions:
+``policy_version`` for the whole batch, or ``versions`` per sample [bs] or per response token
+[bs, R] (a partial rollout that spans versions). Out: ``{"old_log_probs": [bs, R],
+"old_log_probs_mask": [bs, R]}``, float32 and 0 where unscored, torch when the batch is.
+verl itself is never imported.
+
+``patch_verl_engine(engine, client)``: verl's FSDP actor (``FSDPEngineWithLMHead``, or a
+``TrainingWorker`` / ``ActorRolloutRefWorker`` holding one) computes its log-probs — in
+``compute_log_prob`` and in the policy update, whose loss takes π_θ / π_old — bitwise equal to
+the service's at the same weights, so at zero staleness verl's PPO ratio is exactly 1:
+- the engine's module runs under ``oldlogit.parity.patch_numerics(module,
+  like=client.info().numerics_spec())`` (forward and backward; FSDP2/FSDP1 mixed precision and
+  verl's autocast are judged by the patch);
+- the engine's ``prepare_model_outputs`` keeps verl's entropy / Σπ² / distillation outputs but
+  its ``log_probs`` are ``oldlogit.parity.processed_logprobs`` of the model's raw logits
+  (float32, ÷ temperature, log_softmax — the service's op order; verl's
+  ``logits / temperature`` in the logits' dtype + ``logprobs_from_logits`` is another
+  function), for ``use_remove_padding`` on (one packed row, positions restarting per sequence)
+  and off (right-padded [bs, T]), with per-sample temperatures;
+- options that bypass the model's logits or its per-sequence forward are refused by name:
+  ``use_fused_kernels``, ``use_liger``, Ulysses sequence parallelism.
+The returned ``VerlEnginePatch`` undoes everything (``restore()``, or use it as a context
+manager). verl's log-probs ignore top-k/top-p, so ask the service with ``top_k=0, top_p=1``.
+Importing this module imports neither verl nor torch; ``patch_verl_engine`` imports both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from oldlogit.errors import InvalidRequest
 
-__all__ = ["compute_old_log_prob"]
+__all__ = ["VerlEnginePatch", "compute_old_log_prob", "patch_verl_engine"]
 
 
 def _get(batch: Mapping[str, Any], key: str, required: bool = True) -> Any:
@@ -108,3 +130,205 @@ def compute_old_log_prob(
         "old_log_probs": out.logprobs[:, total - width :],
         "old_log_probs_mask": out.mask[:, total - width :],
     }
+
+
+# ------------------------------------------------------------------ verl's own actor, patched
+
+# verl settings under which the engine's log-probs cannot be the parity function's, with the fix.
+_REFUSED = (
+    (
+        "use_fused_kernels",
+        "verl computes log-probs inside a fused linear+log-softmax kernel that never "
+        "materialises the logits, so they cannot go through oldlogit.parity: set "
+        "actor_rollout_ref.model.use_fused_kernels=False",
+    ),
+    (
+        "use_liger",
+        "liger-kernel replaces the model's RMSNorm/SwiGLU/RoPE with fused kernels the service "
+        "does not run: set actor_rollout_ref.model.use_liger=False",
+    ),
+)
+
+
+def _engine_of(target: Any) -> Any:
+    """The verl engine in ``target``: an engine, a ``TrainingWorker`` (``.engine``) or an
+    ``ActorRolloutRefWorker`` (``.actor.engine``)."""
+    for path in ((), ("engine",), ("actor", "engine")):
+        obj = target
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if obj is not None and hasattr(obj, "prepare_model_outputs") and hasattr(obj, "module"):
+            return obj
+    raise TypeError(
+        f"{type(target).__name__} is not a verl engine with a built module (FSDPEngineWithLMHead, "
+        "or a TrainingWorker / ActorRolloutRefWorker after init_model/reset)"
+    )
+
+
+def _refuse(engine: Any) -> None:
+    from oldlogit.parity import NumericsMismatch
+
+    model_config = getattr(engine, "model_config", None)
+    engine_config = getattr(engine, "engine_config", None)
+    for option, fix in _REFUSED:
+        for where, cfg in (("model", model_config), ("engine", engine_config)):
+            if cfg is not None and bool(getattr(cfg, option, False)):
+                raise NumericsMismatch(f"verl {where} config {option}=True: {fix}")
+    core = getattr(engine.module, "_fsdp_wrapped_module", engine.module)
+    backend = getattr(core, "_verl_fused_kernels_backend", None)
+    if backend is not None:
+        raise NumericsMismatch(
+            f"the model's forward was replaced by verl's fused-kernel forward "
+            f"(use_fused_kernels=True, backend {backend!r}): {_REFUSED[0][1]}"
+        )
+    sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
+    if sp > 1:
+        raise NumericsMismatch(
+            f"verl ulysses_sequence_parallel_size={sp}: each rank runs a slice of the packed "
+            "sequence with all-to-all attention, not the per-sequence forward the service runs: "
+            "set ulysses_sequence_parallel_size=1"
+        )
+    if getattr(getattr(engine, "model_config", None), "model_type", "language_model") not in (
+        "language_model",
+        None,
+    ):
+        raise TypeError("patch_verl_engine patches a causal LM actor/ref engine, not a critic")
+
+
+def _parity_log_probs(output: Any, output_args: Mapping[str, Any], micro_batch: Any) -> Any:
+    """verl's ``log_probs`` (a nested [bs, j] tensor) as ``processed_logprobs`` of the raw
+    logits: the service's function of each token."""
+    import torch
+
+    from oldlogit.parity import SamplingParams, processed_logprobs
+
+    tu = importlib.import_module("verl.utils.tensordict_utils")
+    use_remove_padding = tu.get_non_tensor_data(micro_batch, "use_remove_padding", True)
+    input_ids = micro_batch["input_ids"]  # nested [bs, j]
+    cu_seqlens = input_ids.offsets()
+    total = int(cu_seqlens[-1])
+    logits = output.logits
+    if hasattr(logits, "full_tensor"):  # DTensor (tensor parallel): the whole vocabulary
+        logits = logits.full_tensor()
+    temperature = micro_batch["temperature"]
+    targets = output_args["input_ids_rmpad_rolled"]  # [total(+pad)]: the next token
+    if use_remove_padding:
+        rows = logits.squeeze(0)[:total]  # [total, V]; drops pad_to_length's trailing pad
+        per_row = output_args["temperature_rmpad"][:total]
+    else:
+        lengths = cu_seqlens.diff().tolist()
+        rows = torch.cat([logits[b, :n] for b, n in enumerate(lengths)])  # [total, V]
+        per_row = output_args["temperature"].repeat_interleave(cu_seqlens.diff())
+    targets = targets[:total].long()
+    device_type = rows.device.type
+    with torch.autocast(device_type, enabled=False):
+        if not isinstance(temperature, torch.Tensor):
+            # One temperature: the caller's own number, as the service receives it.
+            return torch.nested.nested_tensor_from_jagged(
+                processed_logprobs(rows, targets, SamplingParams(float(temperature))), cu_seqlens
+            )
+        out = torch.zeros(total, dtype=torch.float32, device=rows.device)
+        for value in torch.unique(per_row).tolist():
+            idx = (per_row == value).nonzero().squeeze(-1)
+            lp = processed_logprobs(
+                rows.index_select(0, idx), targets.index_select(0, idx), SamplingParams(value)
+            )
+            out = out.index_put((idx,), lp)
+        return torch.nested.nested_tensor_from_jagged(out, cu_seqlens)
+
+
+class VerlEnginePatch:
+    """A verl engine whose log-probs go through ``oldlogit.parity``; ``restore()`` undoes it.
+
+    ``numerics``: the ``oldlogit.parity.NumericsPatch`` on the engine's module.
+    """
+
+    def __init__(self, engine: Any, numerics: Any) -> None:
+        self.engine = engine
+        self.numerics = numerics
+        self._undo: list[Callable[[], None]] = [numerics.restore]
+
+    def _wrap(self, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        engine = self.engine
+        had = name in vars(engine)
+        old = vars(engine).get(name)
+        setattr(engine, name, make(getattr(engine, name)))
+
+        def undo() -> None:
+            if had:
+                setattr(engine, name, old)
+            else:
+                delattr(engine, name)
+
+        self._undo.append(undo)
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def __enter__(self) -> VerlEnginePatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def patch_verl_engine(target: Any, numerics: Any, *, strict: bool = True) -> VerlEnginePatch:
+    """Make a verl engine's log-probs the service's function (see the module docstring).
+
+    ``target``: a verl ``FSDPEngineWithLMHead`` (or a subclass), or a ``TrainingWorker`` /
+    ``ActorRolloutRefWorker`` whose model is built. ``numerics``: an ``oldlogit.Client`` (its
+    ``info().numerics_spec()`` is adopted) or an ``oldlogit.parity.NumericsSpec``. ``strict``:
+    passed to ``patch_numerics``. Raises ``oldlogit.parity.NumericsMismatch`` naming the verl
+    option or numerics setting that cannot match the service.
+    """
+    from oldlogit.parity import NumericsMismatch, patch_numerics
+
+    engine = _engine_of(target)
+    _refuse(engine)
+    spec = numerics.info().numerics_spec() if hasattr(numerics, "info") else numerics
+    tu = importlib.import_module("verl.utils.tensordict_utils")
+    handle = VerlEnginePatch(engine, patch_numerics(engine.module, like=spec, strict=strict))
+    try:
+
+        def inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+            def prepare_model_inputs(micro_batch: Any, *a: Any, **k: Any) -> Any:
+                if tu.get_non_tensor_data(micro_batch, "use_fused_kernels", False):
+                    raise NumericsMismatch(f"verl batch use_fused_kernels=True: {_REFUSED[0][1]}")
+                return original(micro_batch, *a, **k)
+
+            return prepare_model_inputs
+
+        def outputs(original: Callable[..., Any]) -> Callable[..., Any]:
+            fn_globals: dict[str, Any] = getattr(
+                getattr(original, "__func__", original), "__globals__", {}
+            )
+
+            def skipped(logits: Any, labels: Any, *a: Any, **k: Any) -> Any:
+                return logits.new_zeros(labels.shape, dtype=logits.dtype)  # replaced below
+
+            def prepare_model_outputs(
+                output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any
+            ) -> Any:
+                if tu.get_non_tensor_data(micro_batch, "distillation_only", False):
+                    return original(output, output_args, micro_batch, logits_processor_func)
+                # verl's own log-probs are computed and then replaced: skip their kernel.
+                swap = fn_globals.get("logprobs_from_logits")
+                if swap is not None:
+                    fn_globals["logprobs_from_logits"] = skipped
+                try:
+                    result = original(output, output_args, micro_batch, logits_processor_func)
+                finally:
+                    if swap is not None:
+                        fn_globals["logprobs_from_logits"] = swap
+                result["log_probs"] = _parity_log_probs(output, output_args, micro_batch)
+                return result
+
+            return prepare_model_outputs
+
+        handle._wrap("prepare_model_inputs", inputs)
+        handle._wrap("prepare_model_outputs", outputs)
+    except BaseException:
+        handle.restore()
+        raise
+    return handle

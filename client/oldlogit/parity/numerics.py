@@ -253,7 +253,7 @@ class NumericsPatch:
             raise NumericsMismatch(
                 f"the trainer's numerics differ from the service's: compute dtype "
                 f"{compute.name!r} here (from {compute.source}), {like.dtype!r} there. "
-                + _dtype_fix(like.dtype)
+                + _dtype_fix(like.dtype, compute.sharded)
             )
         self._compute = compute
         self.install_buffers(compute.dtype)
@@ -295,7 +295,14 @@ def _autocast_may_fix(compute: ComputeDtype, like: NumericsSpec) -> bool:
     return compute.dtype == torch.float32 and not compute.sharded and like.dtype != "float32"
 
 
-def _dtype_fix(dtype: str) -> str:
+def _dtype_fix(dtype: str, sharded: bool) -> str:
+    if sharded:
+        return (
+            f"Shard with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch."
+            f"{dtype})) (FSDP1: MixedPrecision(param_dtype=...)); torch.autocast cannot make "
+            "FSDP's float32 shards a model of another dtype — or serve with --dtype matching "
+            "the trainer"
+        )
     return (
         f"Load the model in {dtype} (from_pretrained(dtype=torch.{dtype}) or "
         f"model.to(torch.{dtype})), run the forward inside torch.autocast(device_type, "

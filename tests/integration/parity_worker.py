@@ -1,0 +1,128 @@
+"""One rank of tests/integration/test_parity_distributed.py (run as a process per rank).
+
+``python -m tests.integration.parity_worker SETUP RANK WORLD INIT_FILE URL MODEL_DIR WEIGHTS OUT``:
+joins a gloo group, loads the test model with the weights of one published version as SETUP
+says (``ddp``: bfloat16 under DistributedDataParallel; ``fsdp2_mp``: float32 masters sharded
+with ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32))``
+as verl's FSDP2 actor and torchtitan run; ``fsdp2_fp32``: the same without a param_dtype;
+``fsdp2_autocast``: that under ``torch.autocast(bfloat16)``), enters
+``trainer_numerics(model, like=the service's spec)`` and scores its share of the samples
+(every rank a different micro-batch), then runs the backward. Writes to OUT, as JSON: tokens
+compared, tokens bitwise equal, max |Δ|, whether gradients arrived — or the refusal's message.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from oldlogit import Client, Sequence
+from oldlogit.parity import (
+    InvariantNumericsError,
+    NumericsMismatch,
+    token_logprobs,
+    trainer_numerics,
+)
+
+VERSION = 2
+LENGTHS = (3, 9, 17, 30, 41, 64, 77, 90, 5, 12, 33, 70)
+
+
+def samples(vocab: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(9)
+    return [rng.integers(0, vocab, n).astype(np.int64) for n in LENGTHS]
+
+
+def build(setup: str, model_dir: str, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if setup == "ddp":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in weights.items()})
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw: dict[str, Any] = {"mesh": mesh}
+    if setup == "fsdp2_mp":
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def main(
+    setup: str,
+    rank: int,
+    world: int,
+    init_file: str,
+    url: str,
+    model_dir: str,
+    weights_file: str,
+    out: str,
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    seen: dict[str, Any] = {"rank": rank, "setup": setup}
+    try:
+        model = build(setup, model_dir, load_file(weights_file))
+        model.train()
+        with Client(url, timeout_s=120) as client:
+            spec = client.info().numerics_spec()
+            vocab = client.info().vocab_size
+            mine = samples(vocab)[rank::world]  # every rank its own micro-batch
+            served = client.logprobs_batch(
+                [Sequence(token_ids=s, policy_version=VERSION, score_from=1) for s in mine],
+                use_cache=False,
+            )
+        width = max(len(s) for s in mine)
+        ids = torch.zeros(len(mine), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(mine):
+            ids[i, width - len(s) :] = torch.from_numpy(s)
+            mask[i, width - len(s) :] = 1
+        around = (
+            torch.autocast("cpu", dtype=torch.bfloat16)
+            if setup == "fsdp2_autocast"
+            else torch.autocast("cpu", enabled=False)
+        )
+        try:
+            with trainer_numerics(model, like=spec), around:
+                out_lp = token_logprobs(model, ids, mask)  # [b, T], with autograd
+                (out_lp * mask).sum().backward()
+        except (NumericsMismatch, InvariantNumericsError) as exc:
+            seen["refused"] = str(exc)
+        else:
+            equal = total = 0
+            max_abs = 0.0
+            for i, (s, res) in enumerate(zip(mine, served, strict=True)):
+                got = out_lp[i, width - len(s) + 1 :].detach().float().numpy()
+                want = res.logprobs[1:]
+                equal += int(np.sum(got == want))
+                total += got.size
+                max_abs = max(max_abs, float(np.max(np.abs(got - want))))
+            seen.update(tokens=total, equal=equal, max_abs=max_abs)
+            seen["grads"] = sum(p.grad is not None for p in model.parameters())
+            seen["params"] = sum(1 for _ in model.parameters())
+    except Exception:
+        seen["error"] = traceback.format_exc()
+    finally:
+        with open(out, "w") as f:
+            json.dump(seen, f)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], int(a[1]), int(a[2]), a[3], a[4], a[5], a[6], a[7])

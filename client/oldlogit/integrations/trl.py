@@ -11,8 +11,12 @@ In: TRL's ``GRPOTrainer`` arguments plus ``oldlogit=Client(...)``. While it trai
 - π_θ is ``oldlogit.parity.token_logprobs`` with the model patched for the whole run
   (``patch_numerics``, the service's numerics via ``like=``), so at zero staleness
   π_θ / π_old is exactly 1 and later the ratio measures staleness only.
-``patch=False`` keeps TRL's own π_θ (then the ratio also holds the numerics gap). Imports trl
-and torch (this module only).
+``patch=False`` keeps TRL's own π_θ (then the ratio also holds the numerics gap). With the patch,
+the first scored version is checked by ``oldlogit.parity.verify`` (a canary scored on both
+sides; ``ParityBroken`` names the first diverging stage) before any step trains on it, and
+again every ``verify_every`` steps if set. TRL's liger paths (``use_liger_kernel``,
+``use_liger_loss``) compute with fused kernels the service does not run: refused by name.
+Imports trl and torch (this module only).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import trl
 from transformers import TrainerCallback
 
-from oldlogit.parity import patch_numerics, token_logprobs
+from oldlogit.parity import NumericsMismatch, patch_numerics, token_logprobs, verify
 
 __all__ = ["OldLogitGRPOTrainer"]
 
@@ -44,7 +48,8 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
     already holds). ``patch``: run π_θ under the service's numerics. ``cast``: publish
     floating weights in the serving dtype (e.g. float32 masters to a bfloat16 service).
     ``watermark_lag``: after each generation, tell the service it will never be asked below
-    ``version - watermark_lag`` (None: never).
+    ``version - watermark_lag`` (None: never). ``verify``: run the parity canary on the first
+    scored version (with ``patch``); ``verify_every``: and every that many versions after.
     """
 
     def __init__(
@@ -55,9 +60,21 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
         patch: bool = True,
         cast: bool = False,
         watermark_lag: int | None = None,
+        verify: bool = True,
+        verify_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        for flag in ("use_liger_kernel", "use_liger_loss"):
+            if patch and getattr(self.args, flag, False):
+                raise NumericsMismatch(
+                    f"GRPOConfig({flag}=True) computes the policy's logprobs with liger-kernel's "
+                    "fused kernels, which the service does not run: set "
+                    f"{flag}=False (or patch=False, without bitwise parity)"
+                )
+        self.verify = verify and patch
+        self.verify_every = verify_every
+        self.verified_version: int | None = None
         self.oldlogit = oldlogit
         self.first_version = first_version
         self.oldlogit_cast = cast
@@ -81,6 +98,25 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
             version, state, delta=True, fallback_full=True, cast=self.oldlogit_cast
         )
         self.published_version = version
+
+    def _maybe_verify(self, version: int) -> None:
+        """The parity canary at ``version`` (the weights the model holds now): raises
+        ``ParityBroken`` naming the first divergence before a step trains on the samples."""
+        if not self.verify:
+            return
+        last = self.verified_version
+        due = last is None or (
+            self.verify_every is not None and version - last >= self.verify_every
+        )
+        if not due:
+            return
+        verify(
+            self.accelerator.unwrap_model(self.model),
+            self.oldlogit,
+            version,
+            temperature=self.temperature,
+        )
+        self.verified_version = version
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -134,6 +170,7 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self.publish_weights()  # the weights these samples are generated with
         version = self.published_version
+        self._maybe_verify(version)
         out: dict[str, Any] = super()._generate_and_score_completions(inputs)
         prompt_ids, comp_ids = out["prompt_ids"], out["completion_ids"]
         width = prompt_ids.shape[1]

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
         unwrap_model,
     )
     from .tiles import tiled_linear, tiled_mm
+    from .trace import TraceStage, forward_trace
+    from .verify import ParityBroken, VerifyReport, verify
 
 __all__ = [
     "BUFFER_CONVENTION",
@@ -47,12 +49,16 @@ __all__ = [
     "NumericsMismatch",
     "NumericsPatch",
     "NumericsSpec",
+    "ParityBroken",
     "ParityReport",
     "Profile",
     "SamplingParams",
+    "TraceStage",
     "UncoveredMatmul",
+    "VerifyReport",
     "compare",
     "decoder_hidden",
+    "forward_trace",
     "head_logits",
     "local_spec",
     "patch_numerics",
@@ -62,6 +68,7 @@ __all__ = [
     "token_logprobs",
     "trainer_numerics",
     "unwrap_model",
+    "verify",
 ]
 
 _LAZY = {
@@ -80,6 +87,11 @@ _LAZY = {
     "unwrap_model": "numerics",
     "tiled_linear": "tiles",
     "tiled_mm": "tiles",
+    "TraceStage": "trace",
+    "forward_trace": "trace",
+    "ParityBroken": "verify",
+    "VerifyReport": "verify",
+    "verify": "verify",
 }
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     )
     from .tiles import tiled_linear, tiled_mm
     from .trace import TraceStage, forward_trace
-    from .verify import ParityBroken, VerifyReport, verify
+    from .canary import ParityBroken, VerifyReport, verify
 
 __all__ = [
     "BUFFER_CONVENTION",
@@ -89,9 +89,9 @@ _LAZY = {
     "tiled_mm": "tiles",
     "TraceStage": "trace",
     "forward_trace": "trace",
-    "ParityBroken": "verify",
-    "VerifyReport": "verify",
-    "verify": "verify",
+    "ParityBroken": "canary",
+    "VerifyReport": "canary",
+    "verify": "canary",
 }
 
 

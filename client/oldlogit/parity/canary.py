@@ -29,7 +29,14 @@ from .numerics import active_patch, trainer_numerics, unwrap_model
 from .setups import clean_name
 from .trace import MAX_TRACE_TOKENS, TraceStage, describe_stage, first_divergence, forward_trace
 
-__all__ = ["CANARY_LENGTHS", "ParityBroken", "VerifyReport", "canary", "published_sha256", "verify"]
+__all__ = [
+    "CANARY_LENGTHS",
+    "ParityBroken",
+    "VerifyReport",
+    "canary_samples",
+    "published_sha256",
+    "verify",
+]
 
 # The canary's sequence lengths: one short of a tile, past one tile, several tiles (64 rows).
 CANARY_LENGTHS = (9, 40, 90)
@@ -57,7 +64,7 @@ class VerifyReport:
     numerics: str  # the service's numerics key
 
 
-def canary(
+def canary_samples(
     vocab_size: int, max_len: int, lengths: Sequence[int] = CANARY_LENGTHS
 ) -> list[np.ndarray]:
     """The fixed canary sequences (seeded, within the vocabulary and the length limit)."""
@@ -153,7 +160,7 @@ def verify(
     seqs = (
         [np.asarray(s, dtype=np.int64) for s in samples]
         if samples is not None
-        else canary(info.vocab_size, max_len)
+        else canary_samples(info.vocab_size, max_len)
     )
     if not seqs or any(len(s) < 2 for s in seqs):
         raise ValueError("samples must hold sequences of at least 2 tokens")

@@ -31,7 +31,9 @@ pip=("$VENV/bin/python" -m pip install -q -c constraints.txt)
 "${pip[@]}" "torch==2.13.0"
 # verl's wheel requires ray[default], tensordict<=0.10, hydra, datasets, wandb, ...: all pure
 # Python or CPU wheels. Its `fsdp`/`cpu` extras pin torch 2.11 + CUDA packages: not installed.
-"${pip[@]}" "transformers==$TRANSFORMERS_VERSION" "verl==$VERL_VERSION"
+# verl.workers.engine_workers also imports uvicorn and fastapi (via verl.checkpoint_engine ->
+# verl.workers.rollout.utils), which only its `verl-core` extra lists.
+"${pip[@]}" "transformers==$TRANSFORMERS_VERSION" "verl==$VERL_VERSION" fastapi uvicorn
 # oldlogit itself, without its extras (the `trainer` extra would be satisfied anyway; --no-deps
 # keeps transformers/torch exactly where they are), and the client's own dependencies.
 "${pip[@]}" --no-deps -e .
@@ -44,6 +46,7 @@ EOF
 "$VENV/bin/python" - <<EOF
 import torch, transformers, verl, oldlogit.parity, oldlogit.integrations.verl  # noqa: F401
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine  # noqa: F401
+from verl.workers.engine_workers import TrainingWorker  # noqa: F401
 assert torch.__version__.split("+")[0] == "2.13.0", torch.__version__
 assert transformers.__version__ == "$TRANSFORMERS_VERSION", transformers.__version__
 assert verl.__version__ == "$VERL_VERSION", verl.__version__

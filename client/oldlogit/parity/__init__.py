@@ -27,6 +27,7 @@ from ._spec import (
 
 if TYPE_CHECKING:
     from .attention import InvariantNumericsError
+    from .canary import ParityBroken, VerifyReport, verify
     from .compare import ParityReport, compare
     from .logprobs import decoder_hidden, head_logits, processed_logprobs, token_logprobs
     from .numerics import (
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     )
     from .tiles import tiled_linear, tiled_mm
     from .trace import TraceStage, forward_trace
-    from .canary import ParityBroken, VerifyReport, verify
 
 __all__ = [
     "BUFFER_CONVENTION",

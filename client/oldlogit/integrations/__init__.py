@@ -4,6 +4,8 @@
 - ``OldLogitGRPOTrainer`` (``trl``): TRL's GRPOTrainer publishing every optimizer step and
   taking π_old of its samples from the service at the version they were generated with;
 - ``compute_old_log_prob`` (``verl``): verl's ``compute_log_prob`` shape over a verl batch;
+- ``patch_verl_engine`` / ``VerlEnginePatch`` (``verl``): verl's own FSDP actor computes its
+  log-probs (compute_log_prob and the policy loss) as the service does, bitwise;
 - ``publish_sharded`` / ``ShardedPublisher`` (``distributed``): one version published from every
   rank of a ``torch.distributed`` group (FSDP2/DTensor state dicts or per-rank shares).
 Importing this package imports no framework (nor torch); each name imports its own when used.
@@ -17,13 +19,15 @@ if TYPE_CHECKING:
     from .distributed import ShardedPublisher, publish_sharded
     from .padded import PaddedLogprobs
     from .trl import OldLogitGRPOTrainer
-    from .verl import compute_old_log_prob
+    from .verl import VerlEnginePatch, compute_old_log_prob, patch_verl_engine
 
 __all__ = [
     "OldLogitGRPOTrainer",
     "PaddedLogprobs",
     "ShardedPublisher",
+    "VerlEnginePatch",
     "compute_old_log_prob",
+    "patch_verl_engine",
     "publish_sharded",
 ]
 
@@ -31,6 +35,8 @@ _LAZY = {
     "PaddedLogprobs": "padded",
     "OldLogitGRPOTrainer": "trl",
     "compute_old_log_prob": "verl",
+    "patch_verl_engine": "verl",
+    "VerlEnginePatch": "verl",
     "ShardedPublisher": "distributed",
     "publish_sharded": "distributed",
 }

@@ -30,6 +30,7 @@ from oldlogit.parity import (
     NumericsMismatch,
     token_logprobs,
     trainer_numerics,
+    verify,
 )
 
 VERSION = 2
@@ -115,6 +116,11 @@ def main(
             seen.update(tokens=total, equal=equal, max_abs=max_abs)
             seen["grads"] = sum(p.grad is not None for p in model.parameters())
             seen["params"] = sum(1 for _ in model.parameters())
+            # The canary on every rank: weights gathered from the shards and matched by their
+            # hash as published (float32 masters cast to the serving dtype), then scored.
+            with Client(url, timeout_s=120) as client:
+                report = verify(model, client, VERSION)
+            seen["verified_tokens"] = report.tokens
     except Exception:
         seen["error"] = traceback.format_exc()
     finally:

@@ -3,7 +3,8 @@
 Each rank (tests/integration/parity_worker.py) scores its own micro-batch under
 ``trainer_numerics(model, like=the service's spec)`` and runs the backward. DDP over a bfloat16
 model and FSDP2 float32 masters with ``MixedPrecisionPolicy(param_dtype=bfloat16)`` (what verl's
-FSDP2 actor and torchtitan run) are bitwise equal to the bfloat16 service on every scored token:
+FSDP2 actor and torchtitan run) are bitwise equal to the bfloat16 service on every scored token,
+and ``oldlogit.parity.verify`` passes on every rank (weights gathered from the shards):
 ``like=`` judges the dtype the forward computes in, not the masters' dtype. FSDP2 without a
 param_dtype computes in float32 and is refused by name, and so is ``torch.autocast`` over
 FSDP2's float32 shards (autocast casts per op; the service runs a bfloat16 model). The ranks run
@@ -75,6 +76,7 @@ def test_bitwise_on_every_rank(setup: str, bf16_served: Served, model_dir: Path,
         assert s["tokens"] > 100 and s["equal"] == s["tokens"], s
         assert s["max_abs"] == 0.0
         assert s["grads"] == s["params"]  # the backward reached every parameter
+        assert s["verified_tokens"] > 100  # oldlogit.parity.verify passed on this rank
 
 
 @pytest.mark.parametrize(

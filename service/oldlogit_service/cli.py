@@ -200,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--top-k", type=int, default=0)
     par.add_argument("--top-p", type=float, default=1.0)
     par.add_argument("--seed", type=int, default=0)
+    par.add_argument(
+        "--explain",
+        action="store_true",
+        help="also run the parity canary (oldlogit.parity.verify) on the model under the "
+        "service's numerics: bitwise, or where the two forwards first diverge (exit 1)",
+    )
     par.add_argument("--token", default=None, help="read token (or OLDLOGIT_READ_TOKEN)")
     _tls_flags(par)
     return p
@@ -320,7 +326,8 @@ def _parity(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from oldlogit import Client, OldLogitError
-    from oldlogit.parity import NumericsMismatch, compare
+    from oldlogit.parity import InvariantNumericsError, NumericsMismatch, ParityBroken, compare
+    from oldlogit.parity import verify as parity_verify
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr: errors only
     token = args.token or os.environ.get("OLDLOGIT_READ_TOKEN")
@@ -353,14 +360,31 @@ def _parity(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 top_p=args.top_p,
             )
+            print(report.table())
+            if args.explain:
+                try:
+                    canary = parity_verify(
+                        model,
+                        c,
+                        args.policy_version,
+                        temperature=args.temperature,
+                        top_k=args.top_k,
+                        top_p=args.top_p,
+                    )
+                except ParityBroken as exc:
+                    print(f"canary: {exc}")
+                    return 1
+                print(
+                    f"canary: {canary.tokens} tokens of {canary.sequences} sequences bitwise "
+                    f"equal at version {canary.policy_version} under the service's numerics"
+                )
     except OldLogitError as exc:
         where = f" ({exc.parameter})" if exc.parameter else ""
         print(f"oldlogit parity: {exc.code}{where}: {exc.message}", file=sys.stderr)
         return 1
-    except (NumericsMismatch, ValueError, OSError) as exc:
+    except (NumericsMismatch, InvariantNumericsError, ValueError, OSError) as exc:
         print(f"oldlogit parity: {exc}", file=sys.stderr)
         return 1
-    print(report.table())
     return 0
 
 

@@ -177,8 +177,9 @@ def test_publish_command(demo_server: CliServer, tmp_path: Path) -> None:
 
 
 def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
-    """`oldlogit parity`: the patched forward is bitwise the service at every micro-batch size;
-    a model holding other weights than the version is refused with one line."""
+    """`oldlogit parity`: the patched forward is bitwise the service at every micro-batch size
+    (and ``--explain``'s canary passes); a model holding other weights than the version is
+    refused with one line."""
     from oldlogit_service.demo import DEMO_MODEL_KWARGS
     from oldlogit_service.model import make_tiny_model_dir
 
@@ -197,6 +198,7 @@ def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
             "1,3",
             "--temperature",
             "0.7",
+            "--explain",
         ],
         capture_output=True,
         text=True,
@@ -204,6 +206,8 @@ def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+    # --explain: the parity canary on the loaded model under the service's numerics.
+    assert "canary: " in out.stdout and "bitwise equal at version 0" in out.stdout, out.stdout
     rows = [
         line.split()
         for line in out.stdout.splitlines()

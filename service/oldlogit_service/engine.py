@@ -19,6 +19,8 @@ How a batch runs depends on the model's numerics profile (``LoadedModel.profile`
   ``fast`` pads sequences of similar length into [B, T_max] forwards and is off by up to a few
   ulps (``measure_fast_mode_deviation``).
 Jobs with identical token_ids share one forward: the same computation, so the same bits.
+A trace job (``Job.trace``) runs alone through ``Engine.trace``: the digests of every stage of
+the sequence's forward (``oldlogit.parity.trace.forward_trace``, the function trainers run).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from oldlogit.errors import OutOfMemory
+from oldlogit.errors import InvalidRequest, OutOfMemory
 from oldlogit.parity.logprobs import row_logits
+from oldlogit.parity.trace import TraceStage, forward_trace
 
+from .backends import TransformersBackend
 from .model import LoadedModel
 from .numerics import HEAD_CHUNK_ROWS, SamplingParams, head_chunk_bounds, processed_logprobs
 
@@ -67,11 +71,16 @@ class NumericsCheckFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Job:
-    """One sequence to score: logprobs at ``positions`` of ``token_ids`` under ``sampling``."""
+    """One sequence to score: logprobs at ``positions`` of ``token_ids`` under ``sampling``.
+
+    ``trace=True``: the stages of the sequence's forward instead (``Engine.trace``); the
+    scheduler runs it beside the batch of its version, never packed with it.
+    """
 
     token_ids: Tensor  # [T] int64, CPU
     positions: Tensor  # [S] int64, sorted, unique, each in [1, T)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    trace: bool = False
 
 
 @dataclass
@@ -129,6 +138,28 @@ class Engine:
             # One device → host copy per call.
             flat = torch.cat(outs).cpu() if outs else torch.empty(0, dtype=torch.float32)
             return list(torch.split(flat, sizes))
+
+    def trace(self, weights: Mapping[str, Tensor], job: Job) -> list[TraceStage]:
+        """The digests of every stage of one forward of ``job.token_ids`` alone, in forward
+        order: ``forward_trace`` on the skeleton with this version's weights, as a trainer runs
+        it on its own model (the same module paths). Transformers models only."""
+        _check_job(job)
+        if not isinstance(self.model.backend, TransformersBackend):
+            raise InvalidRequest(
+                f"this deployment serves {self.model.architecture} through "
+                f"{type(self.model.backend).__name__}: a trace digests the stages of a "
+                "transformers model's forward, and this model has none to digest"
+            )
+        with _map_oom(), torch.inference_mode():
+            weights = self._on_device(weights)
+            ids = job.token_ids[None].to(self.model.device)  # [1, T]
+            return forward_trace(
+                self.model.module,
+                ids,
+                sampling=job.sampling,
+                weights=weights,
+                lm_head_fp32=self.lm_head_fp32,
+            )
 
     # ----------------------------------------------------------------- invariant: packed
 

@@ -1,7 +1,9 @@
 """Version-aware batching in two stages: loads and forwards never wait on each other.
 
 In: work items (a weights source, one engine job, a future) from the runtime. Out: each future
-resolved with the job's logprobs or failed with a mapped error. A batch never mixes versions.
+resolved with the job's logprobs — or, for a trace job, the stages of its forward
+(``Engine.trace``, run beside the batch under the same weights) — or failed with a mapped error.
+A batch never mixes versions.
 The **load stage** (a thread) looks ahead over the queue and makes the versions the next
 batches need device-resident, holding each until its queued work is done (at most
 ``prefetch`` versions ahead, within the device budget); the **compute stage** (another thread)
@@ -14,6 +16,7 @@ tested with plain deques. Weights sources: a policy version (the store), or the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,11 +35,17 @@ import torch
 from oldlogit.errors import DeadlineExceeded, InternalError, OldLogitError, Overloaded, Unavailable
 
 if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's business
+    from typing_extensions import TypeIs
+
+    from oldlogit.parity.trace import TraceStage
     from oldlogit_service.engine import Engine, Job
 
 logger = logging.getLogger(__name__)
 
-Result = npt.NDArray[np.float32]
+Result = npt.NDArray[np.float32]  # a scoring job's logprobs
+Stages = list["TraceStage"]  # a trace job's stages, in forward order
+R = TypeVar("R")
+T = TypeVar("T")
 
 # The load stage's scheduling priority relative to the compute stage (Linux nice, per thread).
 LOAD_NICE = 10
@@ -68,13 +77,28 @@ class WeightsSource(Protocol):
 
 
 @dataclass
-class WorkItem:
+class WorkItem(Generic[R]):
     version: int  # a policy version, or a proxy source (< 0)
     job: Job
-    future: Future[Result]
+    future: Future[R]  # Result for a scoring job, Stages for a trace job (``job.trace``)
     enqueued_at: float  # time.monotonic()
     deadline: float | None = None  # time.monotonic() after which nobody waits for it
     ntokens: int = 0
+
+
+Item = WorkItem[Result] | WorkItem[Stages]
+
+
+def _is_trace(item: Item) -> TypeIs[WorkItem[Stages]]:
+    return item.job.trace
+
+
+def _attempt(fn: Callable[[], T]) -> T | OldLogitError:
+    """``fn()``, or the error it failed with: one job's failure is not its neighbours'."""
+    try:
+        return fn()
+    except Exception as exc:
+        return map_exception(exc)
 
 
 @dataclass
@@ -87,13 +111,13 @@ class BatchPolicy:
 
 
 def pick_batch(
-    queues: dict[int, deque[WorkItem]],
+    queues: dict[int, deque[Item]],
     *,
     current: int | None,
     now: float,
     policy: BatchPolicy,
     ready: set[int] | None = None,
-) -> tuple[int, list[WorkItem]] | None:
+) -> tuple[int, list[Item]] | None:
     """Pop the next batch (one version, FIFO within it) from ``queues``; None if none runs.
 
     Only versions in ``ready`` (None: all) are considered. Order: the version the engine used
@@ -113,13 +137,13 @@ def pick_batch(
 
 
 def pick_batch_lagging(
-    queues: dict[int, deque[WorkItem]],
+    queues: dict[int, deque[Item]],
     *,
     current: int | None,
     now: float,
     policy: BatchPolicy,
     ready: set[int] | None = None,
-) -> tuple[int, list[WorkItem]] | None:
+) -> tuple[int, list[Item]] | None:
     """The lagging route's policy: the smallest queued version first, FIFO within it.
 
     The lagging model only moves forward, so serving in version order lets it advance one
@@ -136,7 +160,7 @@ def pick_batch_lagging(
 
 
 def pick_load(
-    queues: dict[int, deque[WorkItem]],
+    queues: dict[int, deque[Item]],
     *,
     held: set[int],
     running: int | None,
@@ -172,7 +196,7 @@ def pick_load(
     return nxt, victim
 
 
-def _fill(queues: dict[int, deque[WorkItem]], version: int, policy: BatchPolicy) -> list[WorkItem]:
+def _fill(queues: dict[int, deque[Item]], version: int, policy: BatchPolicy) -> list[Item]:
     """Pop one version's items, FIFO, within the token budget (at least one)."""
     q = queues[version]
     batch = [q.popleft()]
@@ -213,7 +237,7 @@ def map_exception(exc: BaseException) -> OldLogitError:
 
 @dataclass
 class _State:
-    queues: dict[int, deque[WorkItem]] = field(default_factory=dict)
+    queues: dict[int, deque[Item]] = field(default_factory=dict)
     depth: int = 0
     queued_tokens: int = 0
     running: bool = False  # a batch is being executed
@@ -274,8 +298,10 @@ class Scheduler:
     ) -> Future[Result]:
         """Queue a job for ``version``; ``weights=(source, tensors)``: run it with these
         resident weights instead (the EWMA proxy: ``source`` < 0 names them)."""
+        if job.trace:
+            raise ValueError("a trace job goes through submit_trace")
         fut: Future[Result] = Future()
-        key = version
+        key, tensors = version, None
         if weights is not None:
             key, tensors = weights
             if key >= 0:
@@ -288,6 +314,30 @@ class Scheduler:
             deadline=deadline,
             ntokens=int(job.token_ids.shape[0]),
         )
+        self._enqueue(item, tensors)
+        return fut
+
+    def submit_trace(
+        self, version: int, job: Job, *, deadline: float | None = None
+    ) -> Future[Stages]:
+        """Queue a trace job (``job.trace``) for ``version``: it waits in the version's queue
+        like any job and its future takes the stages of its forward (``Engine.trace``)."""
+        if not job.trace:
+            raise ValueError("submit_trace takes trace jobs (Job.trace=True)")
+        fut: Future[Stages] = Future()
+        item = WorkItem(
+            version=version,
+            job=job,
+            future=fut,
+            enqueued_at=self._clock(),
+            deadline=deadline,
+            ntokens=int(job.token_ids.shape[0]),
+        )
+        self._enqueue(item, None)
+        return fut
+
+    def _enqueue(self, item: Item, proxy: Mapping[str, torch.Tensor] | None) -> None:
+        key = item.version
         with self._cond:
             if self._closed:
                 raise Unavailable("the service is shutting down", retry_after_s=1.0)
@@ -296,13 +346,12 @@ class Scheduler:
                     f"the queue is full ({self._max_queue} jobs); retry later",
                     retry_after_s=self._retry_after(),
                 )
-            if weights is not None:
-                self._proxies[key] = tensors
+            if proxy is not None:
+                self._proxies[key] = proxy
             self._state.queues.setdefault(key, deque()).append(item)
             self._state.depth += 1
             self._state.queued_tokens += item.ntokens
             self._cond.notify_all()
-        return fut
 
     def _retry_after(self) -> float:
         batches = max(1, self._state.queued_tokens // max(1, self._policy.max_batch_tokens))
@@ -432,7 +481,7 @@ class Scheduler:
                 it.future.set_exception(err)
 
     # -- compute stage -------------------------------------------------------------------
-    def _take(self) -> tuple[int, list[WorkItem]] | None:
+    def _take(self) -> tuple[int, list[Item]] | None:
         """Wait for a batch worth running whose weights are resident; None when closed."""
         with self._cond:
             while True:
@@ -495,9 +544,9 @@ class Scheduler:
             with self._store.acquire(version, uses=requests) as w:
                 yield w
 
-    def _run(self, version: int, items: list[WorkItem]) -> None:
+    def _run(self, version: int, items: list[Item]) -> None:
         now = self._clock()
-        live: list[WorkItem] = []
+        live: list[Item] = []
         for it in items:
             if not it.future.set_running_or_notify_cancel():
                 continue  # the client went away: drop it
@@ -510,17 +559,37 @@ class Scheduler:
             live.append(it)
         if not live:
             return
+        scoring = [it for it in live if not _is_trace(it)]
+        traces = [it for it in live if _is_trace(it)]
         start = time.perf_counter()
+        outs: list[torch.Tensor] | OldLogitError = []
+        stages: list[Stages | OldLogitError] = []
         try:
             with self._weights(version, len(live)) as weights:
-                outs = self._engine.run(weights, [it.job for it in live])
-        except BaseException as exc:
+                if scoring:
+                    jobs = [it.job for it in scoring]
+                    outs = _attempt(lambda: self._engine.run(weights, jobs))
+                # Each trace alone, beside the batch: its stages are of the sequence's own forward.
+                stages = [
+                    _attempt(functools.partial(self._engine.trace, weights, it.job))
+                    for it in traces
+                ]
+        except BaseException as exc:  # the weights could not be had (or the thread is stopping)
             err = map_exception(exc)
             for it in live:
                 it.future.set_exception(err)
             return
         elapsed = time.perf_counter() - start
         self._avg_batch_s = 0.8 * self._avg_batch_s + 0.2 * elapsed
-        for it, out in zip(live, outs, strict=True):
-            it.future.set_result(out.numpy())
+        if isinstance(outs, OldLogitError):
+            for it in scoring:
+                it.future.set_exception(outs)
+        else:
+            for it, out in zip(scoring, outs, strict=True):
+                it.future.set_result(out.numpy())
+        for trace_item, got in zip(traces, stages, strict=True):
+            if isinstance(got, OldLogitError):
+                trace_item.future.set_exception(got)
+            else:
+                trace_item.future.set_result(got)
         self._observer.on_batch(version, len(live), sum(it.ntokens for it in live), elapsed)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from oldlogit.errors import WeightsMismatch
+from oldlogit.errors import InvalidRequest, WeightsMismatch
 from oldlogit_service.engine import Engine, Job
 from oldlogit_service.model import (
     CallableBackend,
@@ -287,3 +287,13 @@ def test_callable_backend_plugs_in():
     plain = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
     np.testing.assert_allclose(ref[1:], plain.numpy(), rtol=0, atol=1e-5)
     assert isinstance(TransformersBackend(), ModelBackend)
+
+
+def test_a_trace_needs_a_transformers_model():
+    backend = CallableBackend(_TinyLM, head_weight="out.weight", head_bias="out.bias")
+    config = {"vocab_size": 50, "hidden": 16, "max_position_embeddings": 128}
+    model = model_from_config(config, dtype="float32", device="cpu", backend=backend, numerics="hf")
+    weights = {k: torch.zeros(shape) for k, (_, shape) in model.param_specs.items()}
+    job = Job(torch.tensor([1, 2, 3]), torch.arange(1, 3), trace=True)
+    with pytest.raises(InvalidRequest, match=r"CallableBackend.*transformers model"):
+        Engine(model).trace(weights, job)

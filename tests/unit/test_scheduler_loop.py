@@ -64,6 +64,14 @@ class FakeEngine:
             for j in jobs
         ]
 
+    def trace(self, weights: Mapping[str, Any], job: Job) -> list[str]:
+        self.gate.wait(10)
+        tag = int(job.token_ids[0])
+        if tag == 13:
+            raise RuntimeError("an unlucky trace")
+        self.calls.append((weights["version"], [-tag]))
+        return [f"v{weights['version']}-t{tag}"]
+
 
 def job(tag: int, n: int = 4) -> Job:
     ids = torch.tensor([tag] + [1] * (n - 1))
@@ -162,6 +170,34 @@ def test_failed_batch_fails_its_requests_and_the_loop_lives_on() -> None:
             missing.result(10)
         engine.fail = False
         assert sched.submit(2, job(3)).result(10).tolist()[0] == 2003.0
+    finally:
+        sched.close()
+
+
+def test_trace_jobs_ride_the_version_queue_and_fail_alone() -> None:
+    engine = FakeEngine()
+    sched, store = make(engine)
+    try:
+        engine.gate.clear()
+        blocker = sched.submit(2, job(0))
+        end = time.monotonic() + 10
+        while not sched._state.running and time.monotonic() < end:  # the blocker is running:
+            time.sleep(0.005)  # what follows queues up and goes as one batch of version 1
+        scored = sched.submit(1, job(5))
+        traced = sched.submit_trace(1, Job(torch.tensor([7, 1, 1]), torch.arange(1, 3), trace=True))
+        unlucky = sched.submit_trace(1, Job(torch.tensor([13, 1]), torch.arange(1, 2), trace=True))
+        engine.gate.set()
+        blocker.result(10)
+        assert scored.result(10).tolist()[0] == 1005.0  # a neighbour's failure is not its own
+        assert traced.result(10) == ["v1-t7"]
+        with pytest.raises(InternalError):
+            unlucky.result(10)
+        assert (1, [5]) in engine.calls and (1, [-7]) in engine.calls
+        assert store.acquired.count(1) == 1  # one acquire of the weights for the batch and traces
+        with pytest.raises(ValueError, match="submit_trace"):
+            sched.submit(1, Job(torch.tensor([1, 2]), torch.arange(1, 2), trace=True))
+        with pytest.raises(ValueError, match="trace"):
+            sched.submit_trace(1, job(1))
     finally:
         sched.close()
 

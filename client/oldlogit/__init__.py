@@ -39,6 +39,9 @@ from oldlogit.types import (
     Sampling,
     Sequence,
     SequenceResult,
+    Trace,
+    TraceRequest,
+    TraceStageInfo,
     VersionInfo,
 )
 
@@ -73,6 +76,9 @@ __all__ = [
     "SequenceTooLong",
     "TlsError",
     "TokenOutOfVocab",
+    "Trace",
+    "TraceRequest",
+    "TraceStageInfo",
     "Unauthorized",
     "Unavailable",
     "UnknownLease",

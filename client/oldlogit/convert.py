@@ -43,6 +43,9 @@ from oldlogit.types import (
     PublishResult,
     Sampling,
     SessionInfo,
+    Trace,
+    TraceRequest,
+    TraceStageInfo,
     VersionInfo,
 )
 from oldlogit.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
@@ -63,6 +66,9 @@ __all__ = [
     "response_from_proto",
     "response_to_proto",
     "to_proto",
+    "trace_request_from_proto",
+    "trace_request_to_proto",
+    "trace_to_proto",
     "version_info_to_proto",
     "versions_from_proto",
     "versions_to_proto",
@@ -83,6 +89,9 @@ _FLAT: dict[type[BaseModel], type[Message]] = {
     Info: pb.Info,
     PublishResult: pb.PublishResult,
     SessionInfo: pb.SessionInfo,
+    TraceRequest: pb.TraceRequest,
+    TraceStageInfo: pb.TraceStage,
+    Trace: pb.TraceResponse,
 }
 
 
@@ -90,9 +99,11 @@ _FLAT: dict[type[BaseModel], type[Message]] = {
 
 
 def to_proto(obj: BaseModel) -> Message:
-    """A flat contract model (Sampling, VersionInfo, LeaseInfo, Info, PublishResult) as proto.
+    """A flat contract model (Sampling, VersionInfo, LeaseInfo, Info, PublishResult, Trace…) as
+    proto.
 
-    None leaves a proto3 ``optional`` field unset; lists extend repeated fields; dicts fill maps.
+    None leaves a proto3 ``optional`` field unset; lists and numpy arrays extend repeated fields
+    (lists of models add messages); dicts fill maps.
     """
     msg = _FLAT[type(obj)]()
     _fill(msg, obj)
@@ -112,7 +123,14 @@ def _fill(msg: Message, obj: BaseModel) -> None:
                 else:
                     field[k] = v
         elif isinstance(value, list):
-            getattr(msg, name).extend(value)
+            field = getattr(msg, name)
+            if value and isinstance(value[0], BaseModel):  # repeated messages (Trace.stages)
+                for item in value:
+                    _fill(field.add(), item)
+            else:
+                field.extend(value)
+        elif isinstance(value, np.ndarray):  # an IntArray (TraceRequest.token_ids)
+            getattr(msg, name).extend(value.tolist())
         elif isinstance(value, BaseModel):  # a message field (SessionInfo.result)
             _fill(getattr(msg, name), value)
         else:
@@ -134,6 +152,8 @@ def _fields(msg: Message, cls: type[BaseModel]) -> dict[str, Any]:
                 value = {k: _message_fields(v) for k, v in value.items()}
             else:
                 value = dict(value)
+        elif field.is_repeated and field.message_type is not None:  # repeated messages
+            value = [_message_fields(v) for v in value]
         elif field.is_repeated:
             value = list(value)
         elif field.message_type is not None:
@@ -177,6 +197,19 @@ def info_to_proto(info: Info) -> pb.Info:
 
 def publish_result_to_proto(result: PublishResult) -> pb.PublishResult:
     return cast(pb.PublishResult, to_proto(result))
+
+
+def trace_request_to_proto(req: TraceRequest) -> pb.TraceRequest:
+    return cast(pb.TraceRequest, to_proto(req))
+
+
+def trace_request_from_proto(msg: pb.TraceRequest) -> TraceRequest:
+    """A received trace request; malformed fields raise ``InvalidRequest`` naming them."""
+    return parse_model(TraceRequest, _fields(msg, TraceRequest), error=InvalidRequest)
+
+
+def trace_to_proto(trace: Trace) -> pb.TraceResponse:
+    return cast(pb.TraceResponse, to_proto(trace))
 
 
 def versions_to_proto(

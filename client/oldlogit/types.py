@@ -33,6 +33,9 @@ __all__ = [
     "SessionInfo",
     "SourceInfo",
     "TensorInfo",
+    "Trace",
+    "TraceRequest",
+    "TraceStageInfo",
     "VersionInfo",
     "scored_mask",
 ]
@@ -231,6 +234,46 @@ class SequenceResult(_Model):
 
 class LogprobsResponse(_Model):
     results: list[SequenceResult]
+
+
+class TraceRequest(_Model):
+    """One sequence to trace at one version (``Client.trace``, ``POST /v1/trace``).
+
+    The service runs ``oldlogit.parity.trace.forward_trace`` on ``token_ids`` alone with the
+    version's weights and the sampler's settings (applied by the final logprobs stage). The
+    service checks the meaning: 2 to min(``MAX_TRACE_TOKENS``, max_seq_len) tokens in the
+    vocabulary, a known version, sampling as for logprobs.
+    """
+
+    token_ids: IntArray
+    policy_version: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+class TraceStageInfo(_Model):
+    """One stage of a forward, digested (``oldlogit.parity.trace.TraceStage`` on the wire)."""
+
+    name: str  # the module path, e.g. "model.layers.1.mlp", or "logprobs"
+    dtype: str  # of its (first) output tensor, e.g. "bfloat16"
+    shape: list[int] = Field(default_factory=list)  # of its (first) output tensor
+    sha256: str  # over dtype, shape and raw bytes of every tensor it output
+    total: float  # float64 sum of the finite values
+    absmax: float  # max |x| over the finite values
+
+
+class Trace(_Model):
+    """The stages of one forward at a version, in the order it ran them: compare with a
+    trainer's ``forward_trace`` (``oldlogit.parity.trace.first_divergence``)."""
+
+    policy_version: int
+    weight_sha256: str  # the weights the forward ran with
+    numerics: str  # the service's numerics key (``NumericsSpec.key``)
+    stages: list[TraceStageInfo] = Field(default_factory=list)
 
 
 class VersionInfo(_Model):

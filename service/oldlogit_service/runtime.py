@@ -1,4 +1,4 @@
-"""The one runtime both transports call: logprobs, publish, versions, leases, info, metrics.
+"""The one runtime both transports call: logprobs, traces, publish, versions, leases, info, metrics.
 
 In: contract types (``oldlogit.types``) and upload streams. Out: contract types, or errors of
 the tree. This is the one sync/async boundary: every method that may block is async and runs
@@ -38,6 +38,7 @@ from oldlogit.errors import (
     Unavailable,
 )
 from oldlogit.parity import BUFFER_CONVENTION
+from oldlogit.parity.trace import MAX_TRACE_TOKENS
 from oldlogit.types import (
     Info,
     LeaseInfo,
@@ -46,6 +47,9 @@ from oldlogit.types import (
     PublishResult,
     SequenceResult,
     SessionInfo,
+    Trace,
+    TraceRequest,
+    TraceStageInfo,
     VersionInfo,
 )
 from oldlogit_service import __version__
@@ -61,7 +65,7 @@ from oldlogit_service.model import LoadedModel, weight_layout_info
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
 from oldlogit_service.sessions import Sessions
 from oldlogit_service.snapshots import SnapshotStore, check_version
-from oldlogit_service.validate import Limits, SequencePlan, plan_request
+from oldlogit_service.validate import Limits, SequencePlan, check_trace, plan_request
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +372,57 @@ class Runtime:
         if computed_n:
             self.metrics.scored.labels("forward").inc(computed_n)
         return out
+
+    # -- trace ---------------------------------------------------------------------------
+    async def trace(self, req: TraceRequest) -> Trace:
+        """The digests of every stage of one forward of ``req.token_ids`` alone at a version:
+        ``oldlogit.parity.trace.forward_trace``, the function a trainer runs on its own model,
+        here on the skeleton with the version's weights, so the first stage whose digests
+        differ is where the two forwards part ways. A job of the version's queue like any
+        other (scheduler → ``Engine.trace``); never cached."""
+        if self._draining:
+            raise Unavailable("the service is draining for shutdown", retry_after_s=1.0)
+        check_trace(req, self.limits, MAX_TRACE_TOKENS)
+        version = req.policy_version
+        if not self.store.has(version):  # published elsewhere: adopt it
+            await self._blocking(lambda: self.control.prepare({version}, tolerant=False))
+        sha = self.store.sha256(version)  # UnknownVersion / VersionEvicted
+        n = len(req.token_ids)
+        job = Job(
+            token_ids=torch.from_numpy(req.token_ids),
+            positions=torch.arange(1, n, dtype=torch.int64),
+            sampling=SamplingParams(
+                temperature=float(req.temperature), top_k=int(req.top_k), top_p=float(req.top_p)
+            ),
+            trace=True,
+        )
+        timeout = self.settings.request_timeout_s
+        future = self.scheduler.submit_trace(version, job, deadline=time.monotonic() + timeout)
+        try:
+            stages = await asyncio.wait_for(asyncio.wrap_future(future), timeout=timeout)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"no trace within the service's request timeout ({timeout:g} s)"
+            ) from exc
+        finally:
+            if not future.done():  # cancelled or failed: nothing stays queued behind
+                future.cancel()
+        return Trace(
+            policy_version=version,
+            weight_sha256=sha,
+            numerics=self.numerics_spec.key,
+            stages=[
+                TraceStageInfo(
+                    name=s.name,
+                    dtype=s.dtype,
+                    shape=list(s.shape),
+                    sha256=s.sha256,
+                    total=s.total,
+                    absmax=s.absmax,
+                )
+                for s in stages
+            ],
+        )
 
     # -- publish -------------------------------------------------------------------------
     async def publish_stream(

@@ -1,7 +1,8 @@
-"""Validate a logprobs request and plan it into one job per (sequence, version).
+"""Validate a logprobs request and plan it into one job per (sequence, version); validate a trace.
 
 In: a ``LogprobsRequest`` (contract type) and the deployment's ``Limits``. Out: a list of
-``SequencePlan`` whose ``jobs`` map each distinct version to the positions it scores. Every
+``SequencePlan`` whose ``jobs`` map each distinct version to the positions it scores. A
+``TraceRequest`` is checked by the same rules (``check_trace``). Every
 refusal is an error from ``oldlogit.errors`` naming the offending parameter by its path in the
 request (``sequences[3].token_ids``). This stage never touches weights or tensors.
 """
@@ -22,7 +23,14 @@ from oldlogit.errors import (
     SequenceTooLong,
     TokenOutOfVocab,
 )
-from oldlogit.types import MAX_VERSION, NOT_SCORED, LogprobsRequest, Sampling, Sequence
+from oldlogit.types import (
+    MAX_VERSION,
+    NOT_SCORED,
+    LogprobsRequest,
+    Sampling,
+    Sequence,
+    TraceRequest,
+)
 
 
 @dataclass(frozen=True)
@@ -43,23 +51,64 @@ class SequencePlan:
 
 
 def check_sampling(sampling: Sampling, where: str) -> None:
+    """``where``: the path of the settings in the request ("" when they are top-level fields)."""
+    prefix = f"{where}." if where else ""
     t = sampling.temperature
     if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
         raise BadSampling(
-            f"{where}.temperature must be a finite number > 0, got {t!r}",
-            parameter=f"{where}.temperature",
+            f"{prefix}temperature must be a finite number > 0, got {t!r}",
+            parameter=f"{prefix}temperature",
         )
     if sampling.top_k < 0:
         raise BadSampling(
-            f"{where}.top_k must be >= 0 (0 disables top-k), got {sampling.top_k}",
-            parameter=f"{where}.top_k",
+            f"{prefix}top_k must be >= 0 (0 disables top-k), got {sampling.top_k}",
+            parameter=f"{prefix}top_k",
         )
     p = sampling.top_p
     if not (math.isfinite(p) and 0.0 < p <= 1.0):
         raise BadSampling(
-            f"{where}.top_p must be in (0, 1] (1 disables top-p), got {p!r}",
-            parameter=f"{where}.top_p",
+            f"{prefix}top_p must be in (0, 1] (1 disables top-p), got {p!r}",
+            parameter=f"{prefix}top_p",
         )
+
+
+def check_in_vocab(ids: npt.NDArray[np.int64], parameter: str, vocab_size: int) -> None:
+    """Every token id in [0, vocab_size), or ``TokenOutOfVocab`` naming the first position."""
+    if not ids.size:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad_pos = int(np.argmax((ids < 0) | (ids >= vocab_size)))
+        raise TokenOutOfVocab(
+            f"{parameter}[{bad_pos}] = {int(ids[bad_pos])} is outside the vocabulary "
+            f"[0, {vocab_size})",
+            parameter=parameter,
+        )
+
+
+def check_trace(req: TraceRequest, limits: Limits, max_tokens: int) -> None:
+    """A trace request's fields: a version in [0, 2**63 - 1], 2 to min(``max_tokens``, the
+    longest sequence served) tokens in the vocabulary, sampling as for logprobs."""
+    if not 0 <= req.policy_version <= MAX_VERSION:
+        raise InvalidRequest(
+            f"policy_version must be in [0, 2**63 - 1], got {req.policy_version}",
+            parameter="policy_version",
+        )
+    check_sampling(req.sampling(), "")
+    n = len(req.token_ids)
+    longest = min(max_tokens, limits.max_seq_len)
+    if n < 2:
+        raise InvalidRequest(
+            f"token_ids must hold at least 2 tokens (the first one scored is token 1), got {n}",
+            parameter="token_ids",
+        )
+    if n > longest:
+        raise SequenceTooLong(
+            f"token_ids has {n} tokens; a trace takes at most {longest} (the trace limit "
+            f"{max_tokens} and the longest sequence served, {limits.max_seq_len})",
+            parameter="token_ids",
+        )
+    check_in_vocab(req.token_ids, "token_ids", limits.vocab_size)
 
 
 def _per_token_versions(seq: Sequence, where: str) -> npt.NDArray[np.int64]:
@@ -144,14 +193,7 @@ def plan_request(req: LogprobsRequest, limits: Limits) -> list[SequencePlan]:
                 f"{limits.max_seq_len}",
                 parameter=f"{where}.token_ids",
             )
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= limits.vocab_size:
-            bad_pos = int(np.argmax((ids < 0) | (ids >= limits.vocab_size)))
-            raise TokenOutOfVocab(
-                f"{where}.token_ids[{bad_pos}] = {int(ids[bad_pos])} is outside the vocabulary "
-                f"[0, {limits.vocab_size})",
-                parameter=f"{where}.token_ids",
-            )
+        check_in_vocab(ids, f"{where}.token_ids", limits.vocab_size)
         sampling = req.sampling
         if seq.sampling is not None:
             check_sampling(seq.sampling, f"{where}.sampling")

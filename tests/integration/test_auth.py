@@ -19,6 +19,7 @@ from .conftest import WRITE_TOKEN, Served, start_served
 pytestmark = pytest.mark.integration
 
 READ_TOKEN = "reader-secret"
+READ_POSTS = ("/v1/logprobs", "/v1/trace")  # reads with a body
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ MALFORMED = [
     ("DELETE", "/v1/versions/-1", b"", "application/json"),
     ("DELETE", "/v1/leases/%00", b"", "application/json"),
     ("POST", "/v1/logprobs", b"\x93garbage", "application/msgpack"),
+    ("POST", "/v1/trace", b'{"token_ids": "x", "policy_version": -1}', "application/json"),
     ("GET", "/v1/versions/abc", b"", "application/json"),
 ]
 
@@ -91,7 +93,7 @@ def test_unauthenticated_malformed_requests_get_401_first(
         }
     }
     assert "policy_version" not in r.text and "body" not in r.text  # no schema leaks
-    if method != "GET" and path != "/v1/logprobs":  # writes: the read token is not enough
+    if method != "GET" and path not in READ_POSTS:  # writes: the read token is not enough
         r = httpx.request(
             method,
             f"{guarded.server.http_url}{path}",
@@ -100,7 +102,7 @@ def test_unauthenticated_malformed_requests_get_401_first(
         )
         assert r.status_code == 401, r.text
     # With the right token the same request reaches validation.
-    token = WRITE_TOKEN if method != "GET" and path != "/v1/logprobs" else READ_TOKEN
+    token = WRITE_TOKEN if method != "GET" and path not in READ_POSTS else READ_TOKEN
     r = httpx.request(
         method,
         f"{guarded.server.http_url}{path}",
@@ -138,7 +140,7 @@ def test_grpc_malformed_message_without_token_is_unauthenticated(guarded: Served
 
     assert guarded.server.bound is not None
     with grpc.insecure_channel(guarded.server.bound.grpc) as ch:
-        for method in ("SetWatermark", "Logprobs"):
+        for method in ("SetWatermark", "Logprobs", "Trace"):
             call = ch.unary_unary(f"/oldlogit.v1.OldLogit/{method}")
             with pytest.raises(grpc.RpcError) as info:
                 call(b"\xff\xff\xff garbage", timeout=10)

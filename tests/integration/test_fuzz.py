@@ -133,6 +133,16 @@ def _valid_messages(rng: random.Random) -> dict[str, list[bytes]]:
             ).SerializeToString(),
             pb.LogprobsRequest(proxy="x" * 100_000).SerializeToString(),
         ],
+        "Trace": [
+            pb.TraceRequest(
+                token_ids=[rng.randrange(-5, 500) for _ in range(rng.choice([0, 1, 5, 513]))],
+                policy_version=rng.choice([-1, 0, 2, 999, 2**62]),
+                temperature=rng.choice([0.0, -1.0, float("nan"), 0.5]),
+                top_k=rng.choice([-1, 0, 3, 2**62]),
+                top_p=rng.choice([0.0, 2.0, 0.9]),
+            ).SerializeToString(),
+            pb.TraceRequest(token_ids=[1, 2, 3], policy_version=1).SerializeToString(),
+        ],
         "GetVersion": [
             pb.GetVersionRequest(policy_version=rng.choice([-1, 0, 2**62])).SerializeToString()
         ],

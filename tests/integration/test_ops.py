@@ -72,6 +72,7 @@ def test_openapi_documents_the_routes(served: Served) -> None:
     spec = httpx.get(f"{served.server.http_url}/openapi.json").json()
     for path in (
         "/v1/logprobs",
+        "/v1/trace",
         "/v1/versions",
         "/v1/versions/{policy_version}",
         "/v1/watermark",

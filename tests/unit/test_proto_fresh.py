@@ -53,6 +53,7 @@ def test_generated_code_imports_and_resolves_inside_the_package() -> None:
     service = pb.DESCRIPTOR.services_by_name["OldLogit"]
     assert {m.name for m in service.methods} == {
         "Logprobs",
+        "Trace",
         "ListVersions",
         "GetVersion",
         "DeleteVersion",
@@ -108,6 +109,9 @@ def test_every_proto_field_and_rpc_is_commented() -> None:
         (types.SequenceResult, "SequenceResult"),
         (types.LogprobsRequest, "LogprobsRequest"),
         (types.Sequence, "SequenceRequest"),
+        (types.TraceRequest, "TraceRequest"),
+        (types.TraceStageInfo, "TraceStage"),
+        (types.Trace, "TraceResponse"),
     ],
 )
 def test_messages_mirror_the_contract_types(model: type, message: str) -> None:

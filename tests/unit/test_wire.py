@@ -26,6 +26,9 @@ from oldlogit.types import (
     Sampling,
     Sequence,
     SequenceResult,
+    Trace,
+    TraceRequest,
+    TraceStageInfo,
     VersionInfo,
 )
 
@@ -515,6 +518,23 @@ FLAT_SAMPLES = [
     PublishResult(
         policy_version=4, weight_sha256="e" * 64, created=False, nbytes=9, kind="keyframe"
     ),
+    Trace(
+        policy_version=5,
+        weight_sha256="a" * 64,
+        numerics="invariant/bfloat16/cpu",
+        stages=[
+            TraceStageInfo(
+                name="model.embed_tokens",
+                dtype="bfloat16",
+                shape=[1, 7, 64],
+                sha256="b" * 64,
+                total=-1.0 / 3.0,
+                absmax=0.125,
+            ),
+            TraceStageInfo(name="logprobs", dtype="float32", sha256="c" * 64, total=0, absmax=0),
+        ],
+    ),
+    Trace(policy_version=0, weight_sha256="", numerics=""),
 ]
 
 
@@ -523,6 +543,21 @@ def test_flat_models_round_trip(model: Any) -> None:
     msg = convert.to_proto(model)
     back = convert.from_proto(type(msg).FromString(msg.SerializeToString()), type(model))
     assert back == model
+
+
+def test_trace_request_round_trip_defaults_and_refusals() -> None:
+    req = TraceRequest(token_ids=[3, 2**40, 0], policy_version=9, temperature=0.5, top_k=4)
+    msg = pb.TraceRequest.FromString(convert.trace_request_to_proto(req).SerializeToString())
+    back = convert.trace_request_from_proto(msg)
+    assert back.token_ids.dtype == np.int64 and back.token_ids.tolist() == [3, 2**40, 0]
+    assert back.model_dump(exclude={"token_ids"}) == req.model_dump(exclude={"token_ids"})
+    bare = convert.trace_request_from_proto(pb.TraceRequest(token_ids=[1, 2]))
+    assert (bare.temperature, bare.top_k, bare.top_p, bare.policy_version) == (1.0, 0, 1.0, 0)
+    with pytest.raises(errors.InvalidRequest) as info:
+        wire.parse_model(
+            TraceRequest, {"token_ids": [[1, 2]], "policy_version": 0}, error=errors.InvalidRequest
+        )
+    assert info.value.parameter == "token_ids"
 
 
 def test_from_proto_refuses_the_wrong_message() -> None:

@@ -256,6 +256,10 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         resp = await self._rt.logprobs(req)
         return convert.response_to_proto(resp, req)
 
+    async def Trace(self, request: Any, context: Any) -> Any:
+        trace = await self._rt.trace(convert.trace_request_from_proto(request))
+        return convert.trace_to_proto(trace)
+
     async def ListVersions(self, request: Any, context: Any) -> Any:
         versions, watermark = await self._rt.versions()
         return convert.versions_to_proto(versions, watermark)

@@ -29,7 +29,16 @@ from oldlogit.errors import (
     NotFound,
     OldLogitError,
 )
-from oldlogit.types import MAX_VERSION, Info, LeaseInfo, LogprobsRequest, PublishResult, VersionInfo
+from oldlogit.types import (
+    MAX_VERSION,
+    Info,
+    LeaseInfo,
+    LogprobsRequest,
+    PublishResult,
+    Trace,
+    TraceRequest,
+    VersionInfo,
+)
 from oldlogit_service import __version__
 from oldlogit_service.api.sessions_http import session_routes
 from oldlogit_service.api.status_page import render_status_page
@@ -76,7 +85,7 @@ def _loc_to_parameter(loc: tuple[Any, ...]) -> str:
 # by its method without being listed here.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-READ_POSTS = frozenset({"/v1/logprobs"})  # a read with a body
+READ_POSTS = frozenset({"/v1/logprobs", "/v1/trace"})  # reads with a body
 
 
 def access(method: str, path: str) -> Literal["open", "read", "write"]:
@@ -227,6 +236,15 @@ def create_app(rt: Runtime) -> FastAPI:
         resp = await rt.logprobs(req)
         media = wire.negotiate(request.headers.get("accept"))
         return Response(wire.encode_response(resp, req, media), media_type=media)
+
+    @app.post(
+        "/v1/trace",
+        response_model=Trace,
+        summary="Digests of every stage of one forward of a sequence at a version (where a "
+        "trainer's forward and the service's first diverge)",
+    )
+    async def trace(body: TraceRequest) -> Trace:
+        return await rt.trace(body)
 
     # -- versions ------------------------------------------------------------------------
     @app.get("/v1/versions", summary="Retained versions, their tiers, and the watermark")

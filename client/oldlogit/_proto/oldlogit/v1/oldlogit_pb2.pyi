@@ -276,6 +276,137 @@ class LogprobsResponse(_message.Message):
 Global___LogprobsResponse: _TypeAlias = LogprobsResponse  # noqa: Y015
 
 @_typing.final
+class TraceRequest(_message.Message):
+    """One sequence to trace at one version (never cached)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """The version whose weights run the forward."""
+    temperature: _builtins.float
+    """Divides the float32 logits of the logprobs stage; unset means 1.0."""
+    top_k: _builtins.int
+    """Keeps the k most likely tokens in the logprobs stage; 0 (or unset) disables top-k."""
+    top_p: _builtins.float
+    """Keeps the smallest set of tokens whose probability reaches top_p; unset means 1.0."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sequence: 2 to min(512, the longest sequence served) tokens, each in [0, vocab_size)
+        (packed).
+        """
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        policy_version: _builtins.int = ...,
+        temperature: _builtins.float | None = ...,
+        top_k: _builtins.int = ...,
+        top_p: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_p", b"_top_p", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_p", b"_top_p", "policy_version", b"policy_version", "temperature", b"temperature", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___TraceRequest: _TypeAlias = TraceRequest  # noqa: Y015
+
+@_typing.final
+class TraceStage(_message.Message):
+    """One stage's output, digested (oldlogit.parity.trace.TraceStage)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    ABSMAX_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The module path, e.g. "model.layers.1.mlp", or "logprobs" for the processed logprobs."""
+    dtype: _builtins.str
+    """The dtype of its (first) output tensor, e.g. "bfloat16"."""
+    sha256: _builtins.str
+    """sha256 (hex) over the dtype, shape and raw bytes of every tensor the stage output."""
+    total: _builtins.float
+    """The float64 sum of the finite values it output."""
+    absmax: _builtins.float
+    """The largest |x| of the finite values it output."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The shape of its (first) output tensor (packed)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        sha256: _builtins.str = ...,
+        total: _builtins.float = ...,
+        absmax: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absmax", b"absmax", "dtype", b"dtype", "name", b"name", "sha256", b"sha256", "shape", b"shape", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceStage: _TypeAlias = TraceStage  # noqa: Y015
+
+@_typing.final
+class TraceResponse(_message.Message):
+    """The stages of one forward, in the order the forward ran them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_SHA256_FIELD_NUMBER: _builtins.int
+    NUMERICS_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """The version traced."""
+    weight_sha256: _builtins.str
+    """sha256 (hex) of the weights the forward ran with."""
+    numerics: _builtins.str
+    """The service's numerics key (oldlogit.parity.NumericsSpec.key): a trainer under the same
+    numerics computes the same digests.
+    """
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___TraceStage]:
+        """Every stage, in forward order."""
+
+    def __init__(
+        self,
+        *,
+        policy_version: _builtins.int = ...,
+        weight_sha256: _builtins.str = ...,
+        numerics: _builtins.str = ...,
+        stages: _abc.Iterable[Global___TraceStage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["numerics", b"numerics", "policy_version", b"policy_version", "stages", b"stages", "weight_sha256", b"weight_sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceResponse: _TypeAlias = TraceResponse  # noqa: Y015
+
+@_typing.final
 class ListVersionsRequest(_message.Message):
     """Asks for the retained versions."""
 

@@ -41,6 +41,11 @@ class OldLogitStub:
                 request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.LogprobsRequest.SerializeToString,
                 response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.LogprobsResponse.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/oldlogit.v1.OldLogit/Trace',
+                request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.TraceRequest.SerializeToString,
+                response_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.TraceResponse.FromString,
+                _registered_method=True)
         self.ListVersions = channel.unary_unary(
                 '/oldlogit.v1.OldLogit/ListVersions',
                 request_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListVersionsRequest.SerializeToString,
@@ -124,6 +129,16 @@ class OldLogitServicer:
 
     def Logprobs(self, request, context):
         """Scores sequences under the requested policy versions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Trace(self, request, context):
+        """Digests every stage of one forward of a sequence alone at a version (the embeddings, the
+        rotary tables, each decoder layer's submodules and output, the final norm, the head's
+        logits, the processed logprobs): oldlogit.parity.trace.forward_trace, the function a trainer
+        runs on its own model, so the first stage whose digests differ is where the two diverge.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +259,11 @@ def add_OldLogitServicer_to_server(servicer, server):
                     request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.LogprobsRequest.FromString,
                     response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.LogprobsResponse.SerializeToString,
             ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.TraceRequest.FromString,
+                    response_serializer=oldlogit_dot_v1_dot_oldlogit__pb2.TraceResponse.SerializeToString,
+            ),
             'ListVersions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVersions,
                     request_deserializer=oldlogit_dot_v1_dot_oldlogit__pb2.ListVersionsRequest.FromString,
@@ -348,6 +368,33 @@ class OldLogit:
             '/oldlogit.v1.OldLogit/Logprobs',
             oldlogit_dot_v1_dot_oldlogit__pb2.LogprobsRequest.SerializeToString,
             oldlogit_dot_v1_dot_oldlogit__pb2.LogprobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oldlogit.v1.OldLogit/Trace',
+            oldlogit_dot_v1_dot_oldlogit__pb2.TraceRequest.SerializeToString,
+            oldlogit_dot_v1_dot_oldlogit__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

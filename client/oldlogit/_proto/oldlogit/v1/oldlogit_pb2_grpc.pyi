@@ -47,6 +47,12 @@ class OldLogitStub:
     def __new__(cls, channel: _aio.Channel) -> OldLogitAsyncStub: ...
     Logprobs: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.LogprobsRequest, _oldlogit_pb2.LogprobsResponse]
     """Scores sequences under the requested policy versions."""
+    Trace: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.TraceRequest, _oldlogit_pb2.TraceResponse]
+    """Digests every stage of one forward of a sequence alone at a version (the embeddings, the
+    rotary tables, each decoder layer's submodules and output, the final norm, the head's
+    logits, the processed logprobs): oldlogit.parity.trace.forward_trace, the function a trainer
+    runs on its own model, so the first stage whose digests differ is where the two diverge.
+    """
     ListVersions: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.ListVersionsRequest, _oldlogit_pb2.ListVersionsResponse]
     """Lists the retained versions and the retention watermark."""
     GetVersion: _grpc.UnaryUnaryMultiCallable[_oldlogit_pb2.GetVersionRequest, _oldlogit_pb2.VersionInfo]
@@ -89,6 +95,12 @@ class OldLogitAsyncStub(OldLogitStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Logprobs: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.LogprobsRequest, _oldlogit_pb2.LogprobsResponse]  # type: ignore[assignment]
     """Scores sequences under the requested policy versions."""
+    Trace: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.TraceRequest, _oldlogit_pb2.TraceResponse]  # type: ignore[assignment]
+    """Digests every stage of one forward of a sequence alone at a version (the embeddings, the
+    rotary tables, each decoder layer's submodules and output, the final norm, the head's
+    logits, the processed logprobs): oldlogit.parity.trace.forward_trace, the function a trainer
+    runs on its own model, so the first stage whose digests differ is where the two diverge.
+    """
     ListVersions: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.ListVersionsRequest, _oldlogit_pb2.ListVersionsResponse]  # type: ignore[assignment]
     """Lists the retained versions and the retention watermark."""
     GetVersion: _aio.UnaryUnaryMultiCallable[_oldlogit_pb2.GetVersionRequest, _oldlogit_pb2.VersionInfo]  # type: ignore[assignment]
@@ -134,6 +146,18 @@ class OldLogitServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_oldlogit_pb2.LogprobsResponse, _abc.Awaitable[_oldlogit_pb2.LogprobsResponse]]:
         """Scores sequences under the requested policy versions."""
+
+    @_abc_1.abstractmethod
+    def Trace(
+        self,
+        request: _oldlogit_pb2.TraceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_oldlogit_pb2.TraceResponse, _abc.Awaitable[_oldlogit_pb2.TraceResponse]]:
+        """Digests every stage of one forward of a sequence alone at a version (the embeddings, the
+        rotary tables, each decoder layer's submodules and output, the final norm, the head's
+        logits, the processed logprobs): oldlogit.parity.trace.forward_trace, the function a trainer
+        runs on its own model, so the first stage whose digests differ is where the two diverge.
+        """
 
     @_abc_1.abstractmethod
     def ListVersions(

@@ -23,6 +23,8 @@ from oldlogit.types import (
     OpenSession,
     PublishResult,
     SessionInfo,
+    Trace,
+    TraceRequest,
     VersionInfo,
 )
 
@@ -39,6 +41,8 @@ class Transport(Protocol):
     url: str
 
     async def logprobs(self, req: LogprobsRequest, timeout_s: float | None) -> LogprobsResponse: ...
+
+    async def trace(self, req: TraceRequest, timeout_s: float | None) -> Trace: ...
 
     async def list_versions(
         self, timeout_s: float | None

@@ -30,6 +30,8 @@ from oldlogit.types import (
     OpenSession,
     PublishResult,
     SessionInfo,
+    Trace,
+    TraceRequest,
     VersionInfo,
 )
 
@@ -125,6 +127,10 @@ class GrpcTransport:
     async def logprobs(self, req: LogprobsRequest, timeout_s: float | None) -> LogprobsResponse:
         msg = await self._call(self._stub.Logprobs, convert.request_to_proto(req), timeout_s)
         return convert.response_from_proto(msg, req)
+
+    async def trace(self, req: TraceRequest, timeout_s: float | None) -> Trace:
+        msg = await self._call(self._stub.Trace, convert.trace_request_to_proto(req), timeout_s)
+        return convert.from_proto(msg, Trace)
 
     async def list_versions(self, timeout_s: float | None) -> tuple[list[VersionInfo], int | None]:
         msg = await self._call(self._stub.ListVersions, pb.ListVersionsRequest(), timeout_s)

@@ -30,6 +30,8 @@ from oldlogit.types import (
     OpenSession,
     PublishResult,
     SessionInfo,
+    Trace,
+    TraceRequest,
     VersionInfo,
 )
 
@@ -139,6 +141,10 @@ class HttpTransport:
             headers={"content-type": self._encoding, "accept": self._encoding},
         )
         return wire.decode_response(resp.content, req, resp.headers.get("content-type"))
+
+    async def trace(self, req: TraceRequest, timeout_s: float | None) -> Trace:
+        body = req.model_dump(mode="json")
+        return await self._model(Trace, "POST", "/v1/trace", timeout_s, json=body)
 
     async def list_versions(self, timeout_s: float | None) -> tuple[list[VersionInfo], int | None]:
         obj = await self._json("GET", "/v1/versions", timeout_s)

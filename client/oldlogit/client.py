@@ -47,6 +47,8 @@ from oldlogit.types import (
     Sampling,
     Sequence,
     SequenceResult,
+    Trace,
+    TraceRequest,
     VersionInfo,
 )
 
@@ -307,6 +309,33 @@ class AsyncClient(SessionsMixin):
         )
         results = [r for answer in answers for r in answer]
         return place_results(results, placed, shape, input_ids)
+
+    async def trace(
+        self,
+        token_ids: Any,
+        policy_version: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> Trace:
+        """The digests of every stage of one forward of ``token_ids`` alone at
+        ``policy_version`` on the service: ``oldlogit.parity.trace.forward_trace``, the function
+        a trainer runs on its own model, so ``first_divergence`` of the two names the first
+        stage where they part ways. 2 to min(``MAX_TRACE_TOKENS``, max_seq_len) tokens; the
+        sampling arguments apply to the last stage (the processed logprobs). Never cached.
+        """
+        try:
+            req = TraceRequest(
+                token_ids=token_ids,
+                policy_version=policy_version,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
+        except ValidationError as exc:
+            raise _invalid(exc) from exc
+        return await self._call(lambda t, rem: t.trace(req, rem), key=policy_version)
 
     # ------------------------------------------------------------------ versions
 
@@ -626,6 +655,7 @@ class Client:
     logprobs = _sync(AsyncClient.logprobs)
     logprobs_batch = _sync(AsyncClient.logprobs_batch)
     logprobs_padded = _sync(AsyncClient.logprobs_padded)
+    trace = _sync(AsyncClient.trace)
     versions = _sync(AsyncClient.versions)
     version = _sync(AsyncClient.version)
     delete_version = _sync(AsyncClient.delete_version)

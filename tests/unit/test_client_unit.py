@@ -37,6 +37,9 @@ from oldlogit.types import (
     PublishResult,
     Sequence,
     SequenceResult,
+    Trace,
+    TraceRequest,
+    TraceStageInfo,
     VersionInfo,
 )
 from oldlogit.weights import safetensors_sha256, weight_sha256
@@ -202,6 +205,13 @@ class FakeTransport:
             ]
         )
 
+    async def trace(self, req: TraceRequest, timeout_s: float | None) -> Trace:
+        self._enter("trace", (req, timeout_s))
+        stage = TraceStageInfo(name="logprobs", dtype="float32", sha256="s", total=0, absmax=0)
+        return Trace(
+            policy_version=req.policy_version, weight_sha256="h", numerics="n", stages=[stage]
+        )
+
     async def list_versions(self, timeout_s: float | None) -> tuple[list[VersionInfo], int | None]:
         self._enter("list_versions", timeout_s)
         return [VersionInfo(policy_version=1, weight_sha256="h", nbytes=1, tiers=["disk"])], 0
@@ -337,6 +347,23 @@ def test_sync_client_invalid_inputs_name_the_parameter(fakes: dict[str, FakeTran
         with pytest.raises(errors.InvalidRequest) as info:
             Client(url)
         assert info.value.parameter == "url"
+
+
+def test_sync_client_trace_parses_once_retries_and_routes_by_version(
+    fakes: dict[str, FakeTransport],
+) -> None:
+    with Client(["http://a:1", "http://b:2"], backoff_s=0.001) as c:
+        first = c.trace(DuckTensor([5, 6, 7]), 3, temperature=0.5, top_k=2)
+        assert first.policy_version == 3 and first.stages[0].name == "logprobs"
+        (url,) = [u for u, f in fakes.items() if f.calls]
+        req, _ = fakes[url].calls[-1][1]
+        assert req.token_ids.tolist() == [5, 6, 7] and (req.temperature, req.top_k) == (0.5, 2)
+        fakes[url].fail = [errors.Overloaded("busy", retry_after_s=0.001)]
+        assert c.trace([1, 2], 3).policy_version == 3  # retried, on the version's replica
+        assert [n for n, _ in fakes[url].calls] == ["trace"] * 3
+        with pytest.raises(errors.InvalidRequest) as info:
+            c.trace("not tokens", 3)
+        assert info.value.parameter == "token_ids"
 
 
 def test_sync_client_fails_over_and_retries(fakes: dict[str, FakeTransport]) -> None:

@@ -106,6 +106,7 @@ def test_verl_actor_log_prob_is_the_service_pi_old(
 def check(label: str, result: dict[str, Any]) -> None:
     print(f"\n[{label}] service numerics {result['service']['key']}")
     print(f"[{label}] verl numerics    {result['trainer_key']}")
+    print(f"[{label}] seconds {result['seconds']}")
     cases = result["cases"]
     assert {(c["use_remove_padding"], c["temperature"]) for c in cases} == {
         (r, t) for r in (True, False) for t in (1.0, 0.7)

@@ -7,17 +7,17 @@ processes and each rank holds its own share of the batch, as verl's dispatch giv
     .venv-verl/bin/python tests/integration/verl_worker.py URL MODEL_DIR VERSION [RANK WORLD PORT]
 
 MODEL_DIR holds the weights the service publishes as VERSION. For ``use_remove_padding`` on and
-off it builds verl's ``TrainingWorker`` (the actor ``ActorRolloutRefWorker`` delegates
-``compute_log_prob`` and ``update_actor`` to: ``FSDPEngineWithLMHead``, FSDP2, verl's
-``ppo_loss``) on MODEL_DIR, patches it with ``oldlogit.integrations.verl.patch_verl_engine``,
-and on a verl rollout batch (prompts left-padded, responses right-padded) at several
-temperatures:
-- runs verl's compute_log_prob (``TrainingWorker.infer_batch`` on the batch as verl's trainer
-  converts it, ``left_right_2_no_padding``) with several micro-batch sizes and dynamic batching,
-  and compares each with the service's π_old (``compute_old_log_prob``);
-- runs verl's policy update (``train_mini_batch``: forward, verl's PPO loss, backward,
-  optimizer step) with ``old_log_probs`` = the service's values, recording the ratio verl's loss
-  computes (a policy-loss mode registered with verl's own ``register_policy_loss`` wrapping
+off it builds verl's actor worker — ``ActorRolloutRefWorker(config, role="actor")`` from verl's
+own PPO trainer config, ``init_model()``: a ``TrainingWorker`` over ``FSDPEngineWithLMHead``
+(FSDP2) with verl's ``ppo_loss`` — on MODEL_DIR, patches it with
+``oldlogit.integrations.verl.patch_verl_engine``, and on a verl rollout batch (prompts
+left-padded, responses right-padded) at temperatures 1 and 0.7:
+- runs the worker's ``compute_log_prob`` on the batch as verl's trainer converts it
+  (``left_right_2_no_padding``) with several micro-batch sizes and dynamic batching, and compares
+  each with the service's π_old (``compute_old_log_prob``);
+- runs the worker's ``update_actor`` (forward, verl's PPO loss, backward, optimizer step) with
+  ``old_log_probs`` = the service's values, recording the ratio verl's loss computes (a
+  policy-loss mode registered with verl's own ``register_policy_loss`` wrapping
   ``compute_policy_loss_vanilla``).
 Before patching, verl's own compute_log_prob is compared too (the control: not bitwise). Last,
 engines built with ``use_fused_kernels=True`` and with ``enable_gradient_checkpointing=True``
@@ -37,9 +37,10 @@ import json
 import os
 import socket
 import sys
+import time
 import traceback
 from contextlib import nullcontext
-from functools import partial
+from pathlib import Path
 from typing import Any
 
 RANK, WORLD = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (0, 1)
@@ -150,26 +151,17 @@ class PlatformCPU(PlatformBase):
 
 set_platform(PlatformCPU())  # before verl's engine modules read the device name at import
 
+from omegaconf import OmegaConf  # noqa: E402
 from verl import DataProto  # noqa: E402
-from verl.trainer.config import CheckpointConfig  # noqa: E402
 from verl.trainer.ppo.core_algos import (  # noqa: E402
     compute_policy_loss_vanilla,
     register_policy_loss,
 )
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.model import compute_position_id_with_mask  # noqa: E402
-from verl.workers.config import (  # noqa: E402
-    FSDPActorConfig,
-    FSDPEngineConfig,
-    FSDPOptimizerConfig,
-    HFModelConfig,
-    PolicyLossConfig,
-    TrainingWorkerConfig,
-)
 from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
-from verl.workers.engine_workers import TrainingWorker  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 from oldlogit import Client  # noqa: E402
@@ -226,58 +218,39 @@ def rollout_batch(seed: int, vocab: int, temperature: float) -> DataProto:
 def build(
     model_dir: str, *, remove_padding: bool, dtype: str, fused: bool = False, ckpt: bool = False
 ) -> Any:
-    """verl's actor TrainingWorker, configured as ActorRolloutRefWorker.init_model does."""
-    model = HFModelConfig(
-        path=model_dir,
-        load_tokenizer=False,
-        use_remove_padding=remove_padding,
-        use_fused_kernels=fused,
-        fused_kernel_options={"impl_backend": "torch"} if fused else {},
-        override_config={"attn_implementation": "sdpa"},  # no flash-attn on CPU
-        # verl's default is True; transformers 5.5.3 checkpoints in __call__, which the parity
-        # patch cannot follow (the adapter refuses it: checked below).
-        enable_gradient_checkpointing=ckpt,
-    )
-    # verl's default for training: float32 master weights; the forward computes in
-    # mixed_precision.param_dtype (FSDP2 MixedPrecisionPolicy) — the service's dtype.
-    param_dtype = "fp32" if dtype == "float32" else "bf16"
-    engine = FSDPEngineConfig(
-        strategy="fsdp2",
-        model_dtype="fp32",
-        mixed_precision={
-            "param_dtype": param_dtype,
-            "reduce_dtype": "fp32",
-            "buffer_dtype": "fp32",
-        },
-        use_torch_compile=False,  # verl compiles its entropy function by default: slow on CPU
-        use_dynamic_bsz=False,
-        infer_micro_batch_size_per_gpu=2,
-        micro_batch_size_per_gpu=2,
-        max_token_len_per_gpu=96,
-        infer_max_token_len_per_gpu=96,
-    )
-    optim = FSDPOptimizerConfig(lr=1e-4, total_training_steps=4)
-    actor = FSDPActorConfig(
-        strategy="fsdp2",
-        rollout_n=1,
-        ppo_mini_batch_size=BATCH * WORLD,
-        ppo_micro_batch_size_per_gpu=2,
-        use_remove_padding=remove_padding,
-        fsdp_config=engine,
-        optim=optim,
-        policy_loss=PolicyLossConfig(loss_mode="oldlogit_recorded"),
-    )
-    worker = TrainingWorker(
-        TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=model,
-            engine_config=engine,
-            optimizer_config=optim,
-            checkpoint_config=CheckpointConfig(),
-        )
-    )
-    worker.reset()  # builds the FSDP2 module and the optimizer
-    worker.set_loss_fn(partial(ppo_loss, config=actor))  # as ActorRolloutRefWorker.init_model
+    """verl's actor worker (``ActorRolloutRefWorker``, role "actor") from verl's own PPO trainer
+    config (``_generated_ppo_trainer.yaml``: its defaults), with what this CPU test changes."""
+    import verl
+
+    root = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    cfg = root.actor_rollout_ref
+    model, actor, rollout = cfg.model, cfg.actor, cfg.rollout
+    model.path = model_dir
+    model.override_config = {"attn_implementation": "sdpa"}  # no flash-attn on CPU
+    model.use_remove_padding = remove_padding
+    model.use_fused_kernels = fused
+    model.fused_kernel_options = {"impl_backend": "torch"} if fused else {}
+    # verl's default is True; transformers 5.5.3 checkpoints in __call__, which the parity patch
+    # cannot follow (the adapter refuses it: checked in main).
+    model.enable_gradient_checkpointing = ckpt
+    # verl's default strategy "fsdp" (FSDP1) cannot build on CPU: FSDP(sync_module_states=True)
+    # requires the parameters on a GPU. FSDP2 (fully_shard) runs on CPU with gloo.
+    actor.strategy = "fsdp2"
+    # verl's default: float32 master weights (model_dtype fp32), the forward in
+    # mixed_precision.param_dtype — bfloat16 unless set: the service's dtype decides here.
+    if dtype == "float32":
+        actor.fsdp_config.mixed_precision = {"param_dtype": "fp32", "reduce_dtype": "fp32"}
+    actor.fsdp_config.use_torch_compile = False  # verl compiles its entropy: slow on CPU
+    actor.ppo_mini_batch_size = BATCH * WORLD
+    actor.ppo_micro_batch_size_per_gpu = 2
+    actor.optim.lr = 1e-4
+    actor.optim.total_training_steps = 4
+    actor.policy_loss.loss_mode = "oldlogit_recorded"  # verl's vanilla loss, recording its inputs
+    rollout.name = "vllm"  # required by the config; role "actor" builds no rollout
+    rollout.n = 1
+    rollout.log_prob_micro_batch_size_per_gpu = 2
+    worker = ActorRolloutRefWorker(config=cfg, role="actor")
+    worker.init_model()  # FSDP2 module, optimizer, verl's ppo_loss as the loss function
     return worker
 
 
@@ -297,11 +270,11 @@ def compare(verl_lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dic
 
 
 def compute_log_prob(worker: Any, batch: DataProto, **settings: Any) -> torch.Tensor:
-    """verl's trainer ``_compute_old_log_prob``: → no-padding TensorDict → the actor's
-    ``compute_log_prob`` (= ``TrainingWorker.infer_batch``) → back to [bs, R]."""
+    """verl's trainer ``_compute_old_log_prob``: → no-padding TensorDict → the actor worker's
+    ``compute_log_prob`` → back to [bs, R]."""
     td = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, **settings)
-    out = worker.infer_batch(td)
+    out = worker.compute_log_prob(td)
     return no_padding_2_padding(tu.get(out, "log_probs"), td).float()
 
 
@@ -318,7 +291,7 @@ def update_actor(worker: Any, batch: DataProto) -> dict[str, Any]:
         dataloader_kwargs={"shuffle": False},
         compute_loss=True,
     )
-    out = worker.train_mini_batch(td)
+    out = worker.update_actor(td)
     return dict(tu.get(out, "metrics"))
 
 
@@ -378,6 +351,12 @@ def update_run(worker: Any, batch: DataProto, old: torch.Tensor) -> dict[str, An
 def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": RANK, "world": WORLD, "cases": [], "updates": []}
     result["unpatched"] = []
+    start = time.perf_counter()
+    timings: dict[str, float] = result.setdefault("seconds", {})
+
+    def lap(name: str) -> None:
+        timings[name] = round(time.perf_counter() - start - sum(timings.values()), 2)
+
     with Client(url, timeout_s=120) as client:
         info = client.info()
         torch.set_num_threads(info.threads)  # CPU numerics depend on the thread count
@@ -387,6 +366,7 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
         vocab = 384
         for remove_padding in (True, False):
             worker = build(model_dir, remove_padding=remove_padding, dtype=info.dtype)
+            lap(f"build rmpad={remove_padding}")
             # The control: verl's own log-probs, before the patch.
             batch = rollout_batch(seed=3 + 100 * RANK, vocab=vocab, temperature=0.7)
             served = compute_old_log_prob(client, batch, policy_version=version, temperature=0.7)
@@ -396,8 +376,10 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
                 batch.batch["response_mask"],
             )
             result["unpatched"].append({"use_remove_padding": remove_padding, **own})
+            lap(f"unpatched rmpad={remove_padding}")
             patch = patch_verl_engine(worker, client)
             result["trainer_key"] = patch.numerics.spec.key
+            lap(f"patch rmpad={remove_padding}")
             batches = {}
             for temperature in TEMPERATURES:
                 batch, old, runs = log_prob_runs(client, worker, version, vocab, temperature)
@@ -411,10 +393,12 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
                 )
             # One update per engine (its optimizer step moves the weights off the version):
             # temperature 0.7 with use_remove_padding, 1 without.
+            lap(f"compute_log_prob rmpad={remove_padding}")
             update_t = TEMPERATURES[1] if remove_padding else TEMPERATURES[0]
             update = update_run(worker, *batches[update_t])
             result["updates"].append({"use_remove_padding": remove_padding, **update})
             patch.restore()
+            lap(f"update rmpad={remove_padding}")
         worker = build(model_dir, remove_padding=True, dtype=info.dtype, ckpt=True)
         try:
             patch_verl_engine(worker, client).restore()
@@ -428,6 +412,7 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
             result["fused_refusal"] = None
         except Exception as exc:
             result["fused_refusal"] = f"{type(exc).__name__}: {exc}"
+        lap("refusals")
     return result
 
 

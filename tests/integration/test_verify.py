@@ -63,13 +63,17 @@ def test_bitwise_setups_pass(bf16: Served, model_dir: Path, transport: str) -> N
 def test_a_cast_buffer_is_named(
     bf16: Served, model_dir: Path, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Fault: the patch no longer holds the non-weight buffers to the config's values, so a
-    # whole-module cast leaves inv_freq in bfloat16 (what happened before trainer_numerics
-    # judged buffers).
-    monkeypatch.setattr(NumericsPatch, "install_buffers", lambda self, dtype: None)
-    model = _model(bf16, model_dir, torch.float32).to(torch.bfloat16)
-    with Client(bf16.url(transport)) as c, pytest.raises(ParityBroken) as err:
-        verify(model, c, VERSION)
+    model = _model(bf16, model_dir, torch.bfloat16)
+    with Client(bf16.url(transport)) as c:
+        with trainer_numerics(model, like=c.info().numerics_spec()):
+            # Fault, after like= has checked the buffers: the patch stops holding them to the
+            # config's values and inv_freq is cast to bfloat16 (what a module cast did before
+            # trainer_numerics judged buffers).
+            monkeypatch.setattr(NumericsPatch, "install_buffers", lambda self, dtype: None)
+            rotary = model.model.rotary_emb
+            rotary.inv_freq = rotary.inv_freq.to(torch.bfloat16)
+            with pytest.raises(ParityBroken) as err:
+                verify(model, c, VERSION)
     assert err.value.stage == "model.rotary_emb", str(err.value)
     assert "the rotary tables" in str(err.value) and "inv_freq" in str(err.value)
     assert 0 < err.value.tokens_off <= err.value.tokens

@@ -34,19 +34,14 @@ pip=("$VENV/bin/python" -m pip install -q -c constraints.txt)
 # verl.workers.engine_workers also imports uvicorn and fastapi (via verl.checkpoint_engine ->
 # verl.workers.rollout.utils), which only its `verl-core` extra lists.
 "${pip[@]}" "transformers==$TRANSFORMERS_VERSION" "verl==$VERL_VERSION" fastapi uvicorn
-# oldlogit itself, without its extras (the `trainer` extra would be satisfied anyway; --no-deps
-# keeps transformers/torch exactly where they are), and the client's own dependencies.
-"${pip[@]}" --no-deps -e .
-"$VENV/bin/python" - <<'EOF' >"$VENV/.oldlogit-deps"
-import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))
-EOF
-"${pip[@]}" -r "$VENV/.oldlogit-deps" "pytest>=8"
+# oldlogit itself (editable) with its client dependencies only (numpy, pydantic, httpx, grpcio,
+# protobuf, msgpack): no extra, so nothing here can move transformers or torch.
+"${pip[@]}" -e . "pytest>=8"
 "$VENV/bin/python" -m pip check || true
 "$VENV/bin/python" - <<EOF
 import torch, transformers, verl, oldlogit.parity, oldlogit.integrations.verl  # noqa: F401
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine  # noqa: F401
-from verl.workers.engine_workers import TrainingWorker  # noqa: F401
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker  # noqa: F401
 assert torch.__version__.split("+")[0] == "2.13.0", torch.__version__
 assert transformers.__version__ == "$TRANSFORMERS_VERSION", transformers.__version__
 assert verl.__version__ == "$VERL_VERSION", verl.__version__

@@ -147,6 +147,8 @@ def check(label: str, result: dict[str, Any]) -> None:
         assert up["grad_norm"] > 0  # a real backward through the patched forward
         assert after["bitwise_equal"] < after["tokens"]  # the step moved π_θ off version 2
 
+    assert result["restored"] == [True, True]  # restore() leaves verl's engine as it was
+
     for option, fix in (
         ("fused_refusal", "use_fused_kernels=False"),
         ("checkpointing_refusal", "enable_gradient_checkpointing=False"),

@@ -166,6 +166,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from oldlogit import Client  # noqa: E402
 from oldlogit.integrations.verl import compute_old_log_prob, patch_verl_engine  # noqa: E402
+from oldlogit.parity.numerics import active_patch  # noqa: E402
 
 EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
     FSDPEngineWithLMHead
@@ -398,6 +399,12 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
             update = update_run(worker, *batches[update_t])
             result["updates"].append({"use_remove_padding": remove_padding, **update})
             patch.restore()
+            engine = worker.actor.engine
+            result.setdefault("restored", []).append(
+                active_patch(engine.module) is None
+                and "prepare_model_outputs" not in vars(engine)
+                and "prepare_model_inputs" not in vars(engine)
+            )
             lap(f"update rmpad={remove_padding}")
         worker = build(model_dir, remove_padding=True, dtype=info.dtype, ckpt=True)
         try:

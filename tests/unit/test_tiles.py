@@ -151,3 +151,36 @@ def test_weight_gradient_is_one_gemm_without_per_tile_copies(dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(w.grad.float(), ref_w.grad, rtol=tol, atol=tol * 10)
     torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("k", "n", "bias"), [(512, 1536, False), (896, 128, True), (64, 8192, False)]
+)
+def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
+    """The bulk of a long input runs CHUNK_ROWS rows per GEMM only where one such call was
+    checked to reproduce its 64-row tiles; either way every row gets exactly the bits of the
+    tile it falls in (computed here one 64-row call at a time), whatever the row count."""
+    from oldlogit.parity import tiles
+
+    gen = torch.Generator().manual_seed(k + n)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    x = torch.randn(tiles.CHUNK_ROWS * 2 + 77, k, generator=gen).to(dtype)
+
+    def reference(rows: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(-(-rows.shape[0] // 64) * 64, k, dtype=dtype)
+        padded[: rows.shape[0]] = rows
+        parts = [
+            (torch.addmm(b, t, weight.t()) if b is not None else t @ weight.t())
+            for t in padded.split(64)
+        ]
+        return torch.cat(parts)[: rows.shape[0]]
+
+    for m in (tiles.CHUNK_ROWS, tiles.CHUNK_ROWS + 1, x.shape[0]):
+        assert torch.equal(tiled_mm(x[:m], weight, 64, b), reference(x[:m])), m
+    # This machine's kernels pass the check (else the chunks would buy nothing here) ...
+    assert tiles.chunk_verified(weight, b, 64, tiles.CHUNK_ROWS)
+    # ... and where a check fails, the tiles run one by one with the same bits.
+    monkeypatch.setattr(tiles, "chunk_verified", lambda *a: False)
+    assert torch.equal(tiled_mm(x, weight, 64, b), reference(x))

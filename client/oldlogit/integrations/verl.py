@@ -25,10 +25,8 @@ the service's at the same weights, so at zero staleness verl's PPO ratio is exac
   function), for ``use_remove_padding`` on (one packed row, positions restarting per sequence)
   and off (right-padded [bs, T]), with per-sample temperatures;
 - options that bypass the model's logits or its per-sequence forward are refused by name:
-  ``use_fused_kernels``, ``use_liger``, Ulysses sequence parallelism; so is
-  ``enable_gradient_checkpointing`` (verl's default) on a transformers release whose
-  ``GradientCheckpointingLayer`` checkpoints in ``__call__`` (e.g. 5.5.3), where the backward's
-  recompute would escape the parity patch.
+  ``use_fused_kernels``, ``use_liger``, Ulysses sequence parallelism. Activation checkpointing
+  (verl's default) is fine: its recompute runs under the same numerics.
 The returned ``VerlEnginePatch`` undoes everything (``restore()``, or use it as a context
 manager). verl's log-probs ignore top-k/top-p, so ask the service with ``top_k=0, top_p=1``.
 Importing this module imports neither verl nor torch; ``patch_verl_engine`` imports both.
@@ -184,15 +182,6 @@ def _refuse(engine: Any) -> None:
             f"the model's forward was replaced by verl's fused-kernel forward "
             f"(use_fused_kernels=True, backend {backend!r}): {_REFUSED[0][1]}"
         )
-    late = _checkpointing_outside_forward(core)
-    if late:
-        raise NumericsMismatch(
-            f"verl enable_gradient_checkpointing=True with transformers {late}: its "
-            "GradientCheckpointingLayer checkpoints in __call__, before oldlogit.parity's layer "
-            "hook runs, so the backward's recompute would leave the invariant numerics (torch "
-            "CheckpointError): set actor_rollout_ref.model.enable_gradient_checkpointing=False "
-            "(or use a transformers release that checkpoints in forward)"
-        )
     sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
     if sp > 1:
         raise NumericsMismatch(
@@ -205,20 +194,6 @@ def _refuse(engine: Any) -> None:
         None,
     ):
         raise TypeError("patch_verl_engine patches a causal LM actor/ref engine, not a critic")
-
-
-def _checkpointing_outside_forward(core: Any) -> str:
-    """The transformers version when a layer of ``core`` has activation checkpointing on and
-    transformers' ``GradientCheckpointingLayer`` checkpoints in ``__call__`` (older releases;
-    newer ones checkpoint in ``forward``, where the parity patch re-enters its numerics), else
-    ''."""
-    for module in core.modules():
-        if not getattr(module, "gradient_checkpointing", False):
-            continue
-        for cls in type(module).__mro__:
-            if cls.__name__ == "GradientCheckpointingLayer" and "__call__" in vars(cls):
-                return str(importlib.import_module("transformers").__version__)
-    return ""
 
 
 def _parity_log_probs(output: Any, output_args: Mapping[str, Any], micro_batch: Any) -> Any:

@@ -158,6 +158,8 @@ class NumericsPatch:
     _installed: tuple[torch.dtype, dict[str, Tensor]] | None = None
     _compute: ComputeDtype | None = None
     _sharded: tuple[bool, torch.dtype | None, str] = (False, None, "")
+    # (module, its path + ".", attribute) of every checkpoint function slot of the model.
+    _checkpointed: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     device_type: str = "cpu"  # of the last call (autocast is per device type)
 
     @contextmanager
@@ -192,6 +194,21 @@ class NumericsPatch:
     def restore(self) -> None:
         while self._restore:
             self._restore.pop()()
+
+    def wrap_checkpointing(self) -> None:
+        """Wrap every checkpoint function the model holds now (see ``patch_numerics``);
+        checkpointing switched on after the patch is wrapped at the next call."""
+        for module, prefix, attr in self._checkpointed:
+            ckpt = module.__dict__.get(attr)
+            if ckpt is None or hasattr(ckpt, "_oldlogit_inner"):
+                continue
+            module.__dict__[attr] = _under_numerics(self, ckpt, module, prefix)
+
+    def unwrap_checkpointing(self) -> None:
+        for module, _prefix, attr in self._checkpointed:
+            ckpt = module.__dict__.get(attr)
+            if ckpt is not None and hasattr(ckpt, "_oldlogit_inner"):
+                module.__dict__[attr] = ckpt._oldlogit_inner
 
     # -- what a model built from the config holds --------------------------------------------
 
@@ -481,45 +498,17 @@ def patch_numerics(
         return _invariant_call(patch, original, args, kwargs)
 
     _set_forward(core, _eager(forward))
-    # Activation checkpointing recomputes decoder layers in the backward, outside the model's
-    # forward: the function a layer hands to its checkpoint function re-enters the mode.
-    # The parameter cast of an autocast trainer is re-entered too (the recompute runs after the
-    # forward's cast has ended).
-    head: nn.Module | None = core.get_output_embeddings()  # type: ignore[operator]
+    # Activation checkpointing recomputes layers in the backward, outside the model's forward:
+    # every checkpoint function the model holds (transformers' per-layer
+    # ``_gradient_checkpointing_func``, called from the layer's ``__call__`` or ``forward``
+    # depending on the release; torch's ``CheckpointWrapper.checkpoint_fn``) is wrapped at each
+    # call so its recompute re-enters the numerics (``wrap_checkpointing``).
     for name, module in core.named_modules():
-        if module is core or not _is_checkpoint_layer(module):
-            continue
-
-        def layer(
-            *a: Any,
-            _f: Callable[..., Any] = module.forward,
-            _m: nn.Module = module,
-            _p: str = f"{name}.",
-            **k: Any,
-        ) -> Any:
-            ckpt: Callable[..., Any] | None = _m.__dict__.get("_gradient_checkpointing_func")
-            if ckpt is None:
-                return _f(*a, **k)
-
-            def under_numerics(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-                def run(*ra: Any, **rk: Any) -> Any:
-                    cast = patch.compute.cast_params
-                    with (
-                        _tile_mode(patch, head, patch.lm_head_fp32),
-                        torch.autocast(patch.device_type, enabled=False),
-                        patch.cast_parameters(_m, _p) if cast else nullcontext(),
-                    ):
-                        return fn(*ra, **rk)
-
-                return ckpt(run, *args, **kw)
-
-            _m.__dict__["_gradient_checkpointing_func"] = under_numerics
-            try:
-                return _f(*a, **k)
-            finally:
-                _m.__dict__["_gradient_checkpointing_func"] = ckpt
-
-        _set_forward(module, layer)
+        if module is not core and _is_checkpoint_layer(module):
+            patch._checkpointed.append((module, f"{name}.", "_gradient_checkpointing_func"))
+        if type(module).__name__ == "CheckpointWrapper":
+            patch._checkpointed.append((module, f"{name}.", "checkpoint_fn"))
+    patch._restore.append(patch.unwrap_checkpointing)
     setattr(core, _PATCH_ATTR, patch)
     patch._restore.append(lambda: delattr(core, _PATCH_ATTR))
     return patch
@@ -527,6 +516,31 @@ def patch_numerics(
 
 def _is_checkpoint_layer(module: nn.Module) -> bool:
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+def _under_numerics(
+    patch: NumericsPatch, ckpt: Callable[..., Any], module: nn.Module, prefix: str
+) -> Callable[..., Any]:
+    """``ckpt`` (a checkpoint function: ``ckpt(fn, *args)``) whose ``fn`` runs under the
+    patch's numerics at the forward and at the backward's recompute: the tiles, autocast off
+    and, for an autocast trainer, ``module``'s parameters cast again (the forward's cast has
+    ended by the time the recompute runs)."""
+    head: nn.Module | None = patch.model.get_output_embeddings()  # type: ignore[operator]
+
+    def under_numerics(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        def run(*ra: Any, **rk: Any) -> Any:
+            cast = patch.compute.cast_params
+            with (
+                _tile_mode(patch, head, patch.lm_head_fp32),
+                torch.autocast(patch.device_type, enabled=False),
+                patch.cast_parameters(module, prefix) if cast else nullcontext(),
+            ):
+                return fn(*ra, **rk)
+
+        return ckpt(run, *args, **kw)
+
+    under_numerics._oldlogit_inner = ckpt  # type: ignore[attr-defined]
+    return under_numerics
 
 
 def _invariant_call(
@@ -563,6 +577,7 @@ def _invariant_call(
     head = patch.model.get_output_embeddings()  # type: ignore[operator]
     patch.device_type = ref.device.type
     compute = patch.judge(patch.device_type)
+    patch.wrap_checkpointing()
     # Inside, the model computes as the service's model at the compute dtype: autocast's
     # per-op casts (float32 softmax, norms) would make it another function.
     with (

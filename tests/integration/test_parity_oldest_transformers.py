@@ -1,0 +1,82 @@
+"""The parity matrix with the trainer on the OLDEST transformers the ``trainer`` extra accepts.
+
+The service runs this environment's transformers (the newest of the range); the trainer side
+of every row of tests/parity_setups.py runs in ``.venv-verl`` (scripts/trainer_venv.sh:
+transformers 5.5.3, verl's pin) as a subprocess. Every row must come out as it does here:
+bitwise on every scored token with the same gradients, or refused by name — so a trainer on one
+release and a service on another give the same bits (liger-kernel is not installed there; its
+row is skipped). Skipped without ``.venv-verl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tests.integration.conftest import Served, start_served
+from tests.parity_setups import SETUPS, VERSION
+
+pytestmark = pytest.mark.verl
+REPO = Path(__file__).resolve().parents[2]
+OLD_PYTHON = REPO / ".venv-verl" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def services(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> Iterator[dict[str, Served]]:
+    if not OLD_PYTHON.exists():
+        pytest.skip(".venv-verl is missing: run scripts/trainer_venv.sh (CI does)")
+    out = {
+        dtype: start_served(tmp_path_factory.mktemp(f"oldest-{dtype}"), model_dir, dtype=dtype)
+        for dtype in ("bfloat16", "float16")
+    }
+    yield out
+    for s in out.values():
+        s.server.stop()
+
+
+def test_every_row_holds_with_the_oldest_transformers(
+    services: dict[str, Served], model_dir: Path, tmp_path: Path
+) -> None:
+    spec = {}
+    for dtype, served in services.items():
+        path = tmp_path / f"{dtype}.safetensors"
+        save_file({k: v.contiguous() for k, v in served.weights[VERSION].items()}, str(path))
+        spec[dtype] = {
+            "urls": [served.server.http_url, served.server.grpc_url],
+            "weights": str(path),
+        }
+    out = tmp_path / "rows.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the service's: part of the numerics
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [str(OLD_PYTHON), "-m", "tests.parity_setups", json.dumps(spec), str(model_dir)]
+    proc = subprocess.run(
+        [*cmd, str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["transformers"] == "5.5.3" != transformers.__version__
+    rows = {r["setup"]: r for r in seen["rows"]}
+    assert set(rows) == {s.name for s in SETUPS}
+    for setup in SETUPS:
+        row = rows[setup.name]
+        if row["result"] == "skipped":
+            assert "liger" in setup.name, row  # only liger-kernel is absent there
+            continue
+        expected = "refused" if setup.refused else "bitwise"
+        assert row["result"] == expected, f"{setup.name}: {row.get('message', row)}"
+        if expected == "bitwise":
+            assert row["tokens"] > 900 and row["max_abs"] == 0.0

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck proto install validate-deploy image base-images compose-test
+.PHONY: demo test lint typecheck proto install trainer-venv validate-deploy image base-images compose-test
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
+
+# A second venv with verl and the OLDEST transformers the `trainer` extra accepts: the parity
+# tests marked `verl` run a trainer there against a service here (they skip without it).
+trainer-venv:
+	scripts/trainer_venv.sh
 
 demo: $(STAMP)
 	$(VENV)/bin/oldlogit serve --demo --snapshot-dir ./snapshots/demo

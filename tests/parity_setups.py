@@ -88,6 +88,16 @@ def _checkpointing(reentrant: bool) -> Callable[[torch.nn.Module], None]:
     return step
 
 
+def _torch_checkpoint_wrapper(model: torch.nn.Module) -> None:
+    """torch's own activation checkpointing (torchtitan's way): a CheckpointWrapper per layer."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    layer_type = type(model.model.layers[0])
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_type))
+
+
 def _rope_theta(model: torch.nn.Module) -> torch.nn.Module:
     """A trainer whose config says another rope theta (its inv_freq is another tensor)."""
     cfg = model.config
@@ -195,6 +205,12 @@ SETUPS = [
         "bfloat16",
         _then(_load(FP32), _checkpointing(False)),
         around=_autocast(BF16),
+        grads_like="bfloat16",
+    ),
+    Setup(
+        "torch apply_activation_checkpointing (CheckpointWrapper per layer)",
+        "bfloat16",
+        _then(_load(BF16), _torch_checkpoint_wrapper),
         grads_like="bfloat16",
     ),
     Setup(

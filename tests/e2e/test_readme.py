@@ -1,4 +1,5 @@
-"""The README's commands and code blocks still work against a live demo server."""
+"""The README's commands and code blocks, and docs/*.md's python blocks, still work against a
+live demo server."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from .conftest import REPO, CliServer
 pytestmark = pytest.mark.e2e
 
 README = (REPO / "README.md").read_text()
+# The docs' python blocks run too, after the README's (in file-name order).
+DOCS = README + "".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
 def _localize(text: str, srv: CliServer) -> str:
@@ -59,7 +62,7 @@ def test_curl_example(demo_server: CliServer) -> None:
 
 
 def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
-    blocks = _blocks("python")
+    blocks = _blocks("python", DOCS)
     assert len(blocks) >= 2
     # Trainer blocks use `model`: the demo architecture holding the demo's version 0 (a block
     # that publishes gets other weights, so its publish creates a version), and `tokenizer`: a
@@ -94,6 +97,6 @@ def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
             cwd=tmp_path,
             env={**os.environ, "PYTHONPATH": str(REPO)},  # the prelude's test helpers
         )
-        assert out.returncode == 0, f"README python block {i} failed:\n{out.stderr}"
+        assert out.returncode == 0, f"python block {i} (README, then docs/) failed:\n{out.stderr}"
         if "# True" in block:  # a block whose last line prints what the comment promises
             assert out.stdout.strip().splitlines()[-1] == "True", out.stdout

@@ -376,7 +376,8 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
             )
             result["unpatched"].append({"use_remove_padding": remove_padding, **own})
             lap(f"unpatched rmpad={remove_padding}")
-            patch = patch_verl_engine(worker, client)
+            # version=: the parity canary on the engine at once (every rank), before any step.
+            patch = patch_verl_engine(worker, client, version=version)
             result["trainer_key"] = patch.numerics.spec.key
             lap(f"patch rmpad={remove_padding}")
             batches = {}

@@ -11,7 +11,7 @@ right-padded), ``attention_mask`` [bs, T], ``responses`` [bs, R] (the last R col
 "old_log_probs_mask": [bs, R]}``, float32 and 0 where unscored, torch when the batch is.
 verl itself is never imported.
 
-``patch_verl_engine(engine, client)``: verl's FSDP actor (``FSDPEngineWithLMHead``, or a
+``patch_verl_engine(engine, client, version=N)``: verl's FSDP actor (``FSDPEngineWithLMHead``, or a
 ``TrainingWorker`` / ``ActorRolloutRefWorker`` holding one) computes its log-probs — in
 ``compute_log_prob`` and in the policy update, whose loss takes π_θ / π_old — bitwise equal to
 the service's at the same weights, so at zero staleness verl's PPO ratio is exactly 1:
@@ -27,8 +27,10 @@ the service's at the same weights, so at zero staleness verl's PPO ratio is exac
 - options that bypass the model's logits or its per-sequence forward are refused by name:
   ``use_fused_kernels``, ``use_liger``, Ulysses sequence parallelism. Activation checkpointing
   (verl's default) is fine: its recompute runs under the same numerics.
-The returned ``VerlEnginePatch`` undoes everything (``restore()``, or use it as a context
-manager). verl's log-probs ignore top-k/top-p, so ask the service with ``top_k=0, top_p=1``.
+With ``version=`` (the published version the weights are) the parity canary
+(``oldlogit.parity.verify``) runs at once, on every rank; ``VerlEnginePatch.verify(version)``
+repeats it. The returned ``VerlEnginePatch`` undoes everything (``restore()``, or use it as a
+context manager). verl's log-probs ignore top-k/top-p, so ask the service with ``top_k=0, top_p=1``.
 Importing this module imports neither verl nor torch; ``patch_verl_engine`` imports both.
 """
 
@@ -244,10 +246,22 @@ class VerlEnginePatch:
     ``numerics``: the ``oldlogit.parity.NumericsPatch`` on the engine's module.
     """
 
-    def __init__(self, engine: Any, numerics: Any) -> None:
+    def __init__(self, engine: Any, numerics: Any, client: Any = None) -> None:
         self.engine = engine
         self.numerics = numerics
+        self.client = client
         self._undo: list[Callable[[], None]] = [numerics.restore]
+
+    def verify(self, version: int, *, temperature: float = 1.0) -> Any:
+        """The parity canary (``oldlogit.parity.verify``) on the engine's module at ``version``
+        (the published version its weights are): call it on every rank (FSDP's gathers are
+        collective). Returns the ``VerifyReport``; raises ``ParityBroken`` naming the first
+        divergence."""
+        from oldlogit.parity import verify
+
+        if self.client is None:
+            raise ValueError("verify needs the client: patch_verl_engine(target, client)")
+        return verify(self.engine.module, self.client, version, temperature=temperature)
 
     def _wrap(self, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         engine = self.engine
@@ -274,14 +288,19 @@ class VerlEnginePatch:
         self.restore()
 
 
-def patch_verl_engine(target: Any, numerics: Any, *, strict: bool = True) -> VerlEnginePatch:
+def patch_verl_engine(
+    target: Any, numerics: Any, *, version: int | None = None, strict: bool = True
+) -> VerlEnginePatch:
     """Make a verl engine's log-probs the service's function (see the module docstring).
 
     ``target``: a verl ``FSDPEngineWithLMHead`` (or a subclass), or a ``TrainingWorker`` /
     ``ActorRolloutRefWorker`` whose model is built. ``numerics``: an ``oldlogit.Client`` (its
-    ``info().numerics_spec()`` is adopted) or an ``oldlogit.parity.NumericsSpec``. ``strict``:
-    passed to ``patch_numerics``. Raises ``oldlogit.parity.NumericsMismatch`` naming the verl
-    option or numerics setting that cannot match the service.
+    ``info().numerics_spec()`` is adopted) or an ``oldlogit.parity.NumericsSpec``. ``version``:
+    the published version the engine's weights are now; with a client, the parity canary runs
+    on it at once (every rank must patch: the canary's gathers are collective) and raises
+    ``ParityBroken`` naming the first divergence before any step. ``strict``: passed to
+    ``patch_numerics``. Raises ``oldlogit.parity.NumericsMismatch`` naming the verl option or
+    numerics setting that cannot match the service.
     """
     from oldlogit.parity import NumericsMismatch, patch_numerics
 
@@ -289,7 +308,10 @@ def patch_verl_engine(target: Any, numerics: Any, *, strict: bool = True) -> Ver
     _refuse(engine)
     spec = numerics.info().numerics_spec() if hasattr(numerics, "info") else numerics
     tu = importlib.import_module("verl.utils.tensordict_utils")
-    handle = VerlEnginePatch(engine, patch_numerics(engine.module, like=spec, strict=strict))
+    client = numerics if hasattr(numerics, "info") else None
+    handle = VerlEnginePatch(
+        engine, patch_numerics(engine.module, like=spec, strict=strict), client
+    )
     try:
 
         def inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -329,6 +351,8 @@ def patch_verl_engine(target: Any, numerics: Any, *, strict: bool = True) -> Ver
 
         handle._wrap("prepare_model_inputs", inputs)
         handle._wrap("prepare_model_outputs", outputs)
+        if version is not None and client is not None:
+            handle.verify(version)
     except BaseException:
         handle.restore()
         raise

@@ -52,6 +52,29 @@ class Segments:
     _groups: dict[tuple[bool, str], list[tuple[int, int, Tensor]]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _plans: dict[tuple[bool, str], tuple[list[int], list[tuple[int, int]], Tensor | None]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def gather_plan(
+        self, share: bool, device: torch.device
+    ) -> tuple[list[int], list[tuple[int, int]], Tensor | None]:
+        """One gather for every kernel call of a layer: (rows per call, (n, L) per call, the
+        token index [Σ n·L] into the flattened [B * T] rows — None when it is every row in
+        order, e.g. one unpadded sequence). The calls' tokens are contiguous in that order."""
+        key = (share, str(device))
+        if key not in self._plans:
+            groups = self.groups(share, device)
+            index = torch.cat([idx for _, _, idx in groups])
+            identity = index.shape[0] == self.batch * self.length and bool(
+                torch.equal(index.cpu(), torch.arange(index.shape[0]))
+            )
+            self._plans[key] = (
+                [n * seg_len for n, seg_len, _ in groups],
+                [(n, seg_len) for n, seg_len, _ in groups],
+                None if identity else index,
+            )
+        return self._plans[key]
 
     def groups(self, share: bool, device: torch.device) -> list[tuple[int, int, Tensor]]:
         """(count n, length L, token index [n * L] into the flattened [B * T] rows) per kernel
@@ -208,7 +231,6 @@ def invariant_attention(
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
     p = float(dropout) if module.training else 0.0
-    out = query.new_zeros(batch, length, heads, v_dim)  # [B, T, H, Dv]; padding rows stay 0
     params = {
         "scaling": scale,
         "sliding_window": int(window) if window is not None else None,
@@ -218,31 +240,41 @@ def invariant_attention(
     # Sequences of one length share a kernel call where that is proven bitwise equal to calling
     # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
     share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
-    # Token-major views [B*T, heads, D]: a group's tokens are gathered and scattered with one
-    # index each (not one copy per sequence).
+    sizes, shapes, index = segments.gather_plan(share, query.device)
+    # Token-major rows [B*T, heads, D], gathered once for every call (one index each; the
+    # backward scatters once, not once per call) and split into the calls' contiguous parts.
     q_rows = query.transpose(1, 2).reshape(batch * length, heads, head_dim)
     k_rows = key.transpose(1, 2).reshape(batch * length, key.shape[1], head_dim)
     v_rows = value.transpose(1, 2).reshape(batch * length, value.shape[1], v_dim)
-    out_rows = out.view(batch * length, heads, v_dim)
+    if index is not None:
+        q_rows, k_rows, v_rows = (r.index_select(0, index) for r in (q_rows, k_rows, v_rows))
+    parts = []
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        for n, seg_len, idx in segments.groups(share, query.device):
+        for (n, seg_len), q, k, v in zip(
+            shapes,
+            torch.split(q_rows, sizes),
+            torch.split(k_rows, sizes),
+            torch.split(v_rows, sizes),
+            strict=True,
+        ):
 
-            def gather(
-                rows: Tensor, idx: Tensor = idx, n: int = n, seg_len: int = seg_len
-            ) -> Tensor:
-                picked = rows.index_select(0, idx)  # [n * L, h, D]
-                return picked.view(n, seg_len, *rows.shape[1:]).transpose(1, 2)  # [n, h, L, D]
+            def calls(rows: Tensor, n: int = n, seg_len: int = seg_len) -> Tensor:
+                return rows.view(n, seg_len, *rows.shape[1:]).transpose(1, 2)  # [n, h, L, D]
 
             res = _segment_attention(
-                gather(q_rows),
-                gather(k_rows),
-                gather(v_rows),
+                calls(q),
+                calls(k),
+                calls(v),
                 **params,  # type: ignore[arg-type]
-            )  # [n, H, L, D]
-            out_rows.index_copy_(0, idx, res.transpose(1, 2).reshape(n * seg_len, heads, v_dim))
+            )  # [n, H, L, Dv]
+            parts.append(res.transpose(1, 2).reshape(n * seg_len, heads, v_dim))
     finally:
         _local.depth -= 1
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [Σ n·L, H, Dv]
+    if index is not None:  # padding rows stay 0
+        rows = rows.new_zeros(batch * length, heads, v_dim).index_copy(0, index, rows)
+    out = rows.view(batch, length, heads, v_dim)  # [B, T, H, Dv]
     return out, None
 
 

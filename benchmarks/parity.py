@@ -6,7 +6,9 @@ I2  packed deterministic service ÷ padded (``fast``, ``--numerics hf``) service
     single-sequence gRPC clients sending short sequences (32 tokens), where batching pays
     most on a CPU; both servers up at once, rounds interleaved, median of the per-round ratios.
 I3  a patched trainer step (forward + backward) ÷ the plain one: a Qwen2-style bf16 model,
-    TRL's layout (left-padded prompts, right-padded completions, ``logits_to_keep``).
+    TRL's layout (left-padded prompts, right-padded completions, ``logits_to_keep``); and the
+    same at Qwen2.5-0.5B's layer shapes (hidden 896, intermediate 4864, 14/2 heads, vocab
+    151,936, tied head; 4 layers).
 I4  the parity table: a TRL-style bf16 trainer forward (logits ÷ temperature in bf16, then a
     per-row log-softmax, as TRL's ``selective_log_softmax`` does for bf16) against the service,
     plain and under ``trainer_numerics``, per micro-batch size (``oldlogit.parity.compare``).
@@ -168,17 +170,56 @@ def _trl_batch(vocab: int, batch: int, prompt: int, completion: int, seed: int) 
     return ids, mask
 
 
-def _trainer_step_cost(args: argparse.Namespace, root: Path) -> Figure:
+def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
+    from oldlogit_service.tiny import make_tiny_model_dir
+
+    small = _model_dir(
+        root / "i3-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
+    )
+    figures = [
+        _step_cost(
+            args,
+            small,
+            8192,
+            "I3 patched trainer forward+backward ÷ plain (bf16, 8 × (64 + 128) tokens)",
+        )
+    ]
+    if args.trainer_05b_layers > 0:
+        shaped = make_tiny_model_dir(
+            root / "i3-05b",
+            arch="qwen2",
+            seed=0,
+            vocab_size=151936,
+            hidden_size=896,
+            num_layers=args.trainer_05b_layers,
+            num_heads=14,
+            num_kv_heads=2,
+            intermediate_size=4864,
+            tie_word_embeddings=True,
+            max_positions=4096,
+            dtype="bfloat16",
+            initializer_range=0.02,
+        )
+        figures.append(
+            _step_cost(
+                args,
+                shaped,
+                151936,
+                "I3b patched trainer forward+backward ÷ plain at Qwen2.5-0.5B's layer shapes "
+                f"({args.trainer_05b_layers} layers, bf16, 8 × (64 + 128) tokens)",
+            )
+        )
+    return figures
+
+
+def _step_cost(args: argparse.Namespace, model_dir: Path, vocab: int, name: str) -> Figure:
     from transformers import AutoModelForCausalLM
 
     from oldlogit.parity import token_logprobs, trainer_numerics
 
-    model_dir = _model_dir(
-        root / "i3-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
-    )
     model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
     prompt, completion = 64, 128
-    ids, mask = _trl_batch(8192, 8, prompt, completion, seed=1)
+    ids, mask = _trl_batch(vocab, 8, prompt, completion, seed=1)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -203,10 +244,10 @@ def _trainer_step_cost(args: argparse.Namespace, root: Path) -> Figure:
         patched_s.append(patched)
         ratios.append(patched / plain)
     return Figure(
-        "I3 patched trainer forward+backward ÷ plain (bf16, 8 × (64 + 128) tokens)",
+        name,
         statistics.median(ratios),
         "ratio",
-        "<= 1.3",
+        "<= 1.15",
         {
             "plain_s": statistics.median(plain_s),
             "patched_s": statistics.median(patched_s),
@@ -288,7 +329,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-parity-"))
     figures = [_linear_row_changes()]
     figures.append(_packed_vs_padded(args, root))
-    figures.append(_trainer_step_cost(args, root))
+    figures.extend(_trainer_step_cost(args, root))
     figures.extend(_parity_table(args, root))
     return figures
 
@@ -298,10 +339,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parity-reps", type=int, default=7, help="I2/I3: interleaved rounds")
     p.add_argument("--parity-samples", type=int, default=32, help="I4: sequences compared")
     p.add_argument("--trainer-hidden", type=int, default=512, help="I3/I4: model width")
+    p.add_argument(
+        "--trainer-05b-layers", type=int, default=4, help="I3b: layers at 0.5B shapes (0: off)"
+    )
 
 
 def smoke(args: argparse.Namespace) -> None:
     args.parity_len, args.parity_reps, args.parity_samples, args.trainer_hidden = 16, 1, 4, 64
+    args.trainer_05b_layers = 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -99,10 +99,16 @@ def fresh_server(tmp_path: Path, model_dir: Path) -> Iterator[ServerThread]:
     server.stop()
 
 
-def _run(server: Any, model_dir: Path, tmp_path: Path, steps_per_generation: int) -> Any:
+def _run(
+    server: Any, model_dir: Path, tmp_path: Path, steps_per_generation: int, cast: bool = False
+) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    if cast:  # a whole-module cast, as many scripts and DeepSpeed's bf16 mode do
+        model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.bfloat16)
+        assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     vocab = model.config.vocab_size
     tokenizer = word_tokenizer(vocab)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -160,6 +166,20 @@ def test_grpo_ratio_is_exactly_one_at_zero_staleness(fresh_server, model_dir, tm
     # The weights moved between steps (so the versions differ), and TRL's own bf16 forward is
     # not the service's numerics: the gap the shared forward closes.
     assert max(trainer.plain_gaps) > 0.0
+
+
+def test_grpo_with_a_module_cast_model_ratio_is_exactly_one(fresh_server, model_dir, tmp_path):
+    """``from_pretrained()`` then ``.to(torch.bfloat16)`` casts the rotary ``inv_freq`` too;
+    under the patch the forward reads the config's values, so the ratio is still exactly 1
+    (the trainer's parity canary, run on its first version, passed before any step)."""
+    trainer, client = _run(fresh_server, model_dir, tmp_path, steps_per_generation=1, cast=True)
+    ratios = torch.cat([r for _, _, r in trainer.ratios])
+    assert trainer.verified_version == 0
+    assert ratios.numel() >= 3 * 4 and bool((ratios == 1.0).all()), ratios
+    with client:  # every step published (the bf16 weights as the trainer holds them)
+        assert {0, 1, 2, 3} <= {v.policy_version for v in client.versions()}
+    # The model is as the trainer made it once the patch is gone: its buffers still bf16.
+    assert trainer.model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
 
 
 def test_grpo_samples_of_an_older_version_get_that_versions_pi_old(

@@ -52,7 +52,11 @@ def build(setup: str, model_dir: str, weights: dict[str, torch.Tensor]) -> torch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.load_state_dict({k: v.float() for k, v in weights.items()})
+    if setup == "fsdp1_mp":
+        return _fsdp1(model)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if setup == "tp":
+        return _tensor_parallel(model.to(torch.bfloat16), mesh)
     kw: dict[str, Any] = {"mesh": mesh}
     if setup == "fsdp2_mp":
         kw["mp_policy"] = MixedPrecisionPolicy(
@@ -61,6 +65,50 @@ def build(setup: str, model_dir: str, weights: dict[str, torch.Tensor]) -> torch
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    return model
+
+
+def _fsdp1(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP1 float32 masters, bfloat16 compute and buffers (``buffer_dtype`` re-casts inv_freq
+    at every forward), one unit per decoder layer."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    layer = type(model.model.layers[0])
+    return FullyShardedDataParallel(
+        model,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={layer}
+        ),
+        mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+        ),
+    )
+
+
+def _tensor_parallel(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """torch's tensor parallelism: column-parallel q/k/v and gate/up, row-parallel o/down."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
     return model
 
 
@@ -114,8 +162,10 @@ def main(
                 total += got.size
                 max_abs = max(max_abs, float(np.max(np.abs(got - want))))
             seen.update(tokens=total, equal=equal, max_abs=max_abs)
-            seen["grads"] = sum(p.grad is not None for p in model.parameters())
-            seen["params"] = sum(1 for _ in model.parameters())
+            # Parameters this rank holds elements of (FSDP1 leaves the others empty here).
+            local = [p for p in model.parameters() if p.numel() > 0]
+            seen["grads"] = sum(p.grad is not None for p in local)
+            seen["params"] = len(local)
             # The canary on every rank: weights gathered from the shards and matched by their
             # hash as published (float32 masters cast to the serving dtype), then scored.
             with Client(url, timeout_s=120) as client:

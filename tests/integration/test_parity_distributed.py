@@ -7,7 +7,10 @@ FSDP2 actor and torchtitan run) are bitwise equal to the bfloat16 service on eve
 and ``oldlogit.parity.verify`` passes on every rank (weights gathered from the shards):
 ``like=`` judges the dtype the forward computes in, not the masters' dtype. FSDP2 without a
 param_dtype computes in float32 and is refused by name, and so is ``torch.autocast`` over
-FSDP2's float32 shards (autocast casts per op; the service runs a bfloat16 model). The ranks run
+FSDP2's float32 shards (autocast casts per op; the service runs a bfloat16 model). FSDP1 with
+``MixedPrecision(param_dtype=bfloat16, buffer_dtype=bfloat16)`` is bitwise too (its buffer cast
+of inv_freq is overridden at each call). torch's tensor parallelism is refused by name at the
+first forward (its row-parallel sums cross ranks in an order the tiles do not fix). The ranks run
 with the service's CPU thread count (part of the numerics).
 """
 
@@ -68,7 +71,7 @@ def _run(setup: str, served: Served, model_dir: Path, tmp: Path) -> list[dict[st
     return seen
 
 
-@pytest.mark.parametrize("setup", ["ddp", "fsdp2_mp"])
+@pytest.mark.parametrize("setup", ["ddp", "fsdp2_mp", "fsdp1_mp"])
 def test_bitwise_on_every_rank(setup: str, bf16_served: Served, model_dir: Path, tmp_path: Path):
     seen = _run(setup, bf16_served, model_dir, tmp_path)
     for s in seen:
@@ -85,6 +88,7 @@ def test_bitwise_on_every_rank(setup: str, bf16_served: Served, model_dir: Path,
         ("fsdp2_fp32", "compute dtype 'float32' here (from parameters (FSDP without param_dtype))"),
         ("fsdp2_fp32", "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.b"),
         ("fsdp2_autocast", "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.b"),
+        ("tp", "tensor parallelism (parallelize_module) is not covered"),
     ],
 )
 def test_refused_by_name_on_every_rank(

@@ -26,7 +26,7 @@ from torch import nn
 from ._spec import SamplingParams
 from .logprobs import token_logprobs
 from .numerics import active_patch, trainer_numerics, unwrap_model
-from .setups import clean_name
+from .setups import clean_name, sharded_precision
 from .trace import MAX_TRACE_TOKENS, TraceStage, describe_stage, first_divergence, forward_trace
 
 __all__ = [
@@ -87,10 +87,25 @@ def published_sha256(model: nn.Module, info: Any) -> str:
 
     core = unwrap_model(model)
     state = {}
-    for name, tensor in core.state_dict().items():
+    for name, tensor in _full_state_dict(model, core).items():
         value = tensor.full_tensor() if _is_dtensor(tensor) else tensor
         state[clean_name(name)] = value.detach().to("cpu")
     return hash_sources(state_dict_sources(state, info.weight_layout(), cast=True))
+
+
+def _full_state_dict(model: nn.Module, core: nn.Module) -> dict[str, Any]:
+    """The whole model's state dict: an FSDP1 root gathers its flat shards (on every rank)."""
+    if type(model).__name__ != "FullyShardedDataParallel":
+        return dict(core.state_dict())
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    # Offloading copies to host memory shard by shard; with the parameters on the CPU already
+    # it only adds copies (and crashed torch 2.13's FSDP1 state-dict hook here).
+    on_cpu = next(core.parameters()).device.type == "cpu"
+    config = FullStateDictConfig(offload_to_cpu=not on_cpu, rank0_only=False)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        return dict(model.state_dict())
 
 
 def _agree(model: nn.Module, flag: bool) -> bool:
@@ -100,7 +115,7 @@ def _agree(model: nn.Module, flag: bool) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     params = list(unwrap_model(model).parameters())
-    if not any(_is_dtensor(p) for p in params):
+    if not (sharded_precision(model)[0] or any(_is_dtensor(p) for p in params)):
         return flag
     device = params[0].device if params else torch.device("cpu")
     t = torch.tensor([1 if flag else 0], device=device)

@@ -77,8 +77,16 @@ _HEAD_FP32: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
 )
 
 
+# Wrappers that hold the model as ``.module`` (FSDP1 and DeepSpeed forward unknown attributes
+# to it, so ``get_output_embeddings`` alone cannot tell them from the model).
+_WRAPPERS = frozenset(
+    {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
+)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The HF model inside DDP/FSDP-style wrappers (``.module``) and ``torch.compile``."""
+    """The HF model inside DDP/FSDP1/DeepSpeed-style wrappers (``.module``) and
+    ``torch.compile``."""
     seen = 0
     while seen < 8:
         seen += 1
@@ -87,8 +95,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(compiled, nn.Module):
             model = compiled
         elif isinstance(wrapped, nn.Module) and (
-            type(model).__name__ in ("DistributedDataParallel", "DataParallel")
-            or not hasattr(model, "get_output_embeddings")
+            type(model).__name__ in _WRAPPERS or not hasattr(model, "get_output_embeddings")
         ):
             model = wrapped
         else:
@@ -155,7 +162,8 @@ class NumericsPatch:
     _refs: dict[torch.dtype, _Reference] = field(default_factory=dict)
     # The trainer's non-weight floating buffers: clean name → (owner module, attribute).
     _buffer_slots: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
-    _installed: tuple[torch.dtype, dict[str, Tensor]] | None = None
+    # The installed buffers: (dtype, name → tensor, name → its storage address when installed).
+    _installed: tuple[torch.dtype, dict[str, Tensor], dict[str, int]] | None = None
     _compute: ComputeDtype | None = None
     _sharded: tuple[bool, torch.dtype | None, str] = (False, None, "")
     # (module, its path + ".", attribute) of every checkpoint function slot of the model.
@@ -248,10 +256,17 @@ class NumericsPatch:
                         f"buffer {name}: shape {list(current.shape)} here, "
                         f"{list(value.shape)} in a model built from the config"
                     )
-                values[name] = value.to(current.device)
-            self._installed = (dtype, values)
+                values[name] = value.to(current.device, copy=True)
+            self._installed = (dtype, values, {n: v.data_ptr() for n, v in values.items()})
+        _, values, pointers = self._installed
+        ref = self.reference(dtype)
         for name, (owner, attr) in self._buffer_slots.items():
-            value = self._installed[1][name]
+            value = values[name]
+            intact = value.dtype == ref.buffers[name].dtype and value.data_ptr() == pointers[name]
+            if not intact:
+                # Changed in place (FSDP1's buffer_dtype assigns ``.data``): a fresh copy.
+                value = ref.buffers[name].to(value.device, copy=True)
+                values[name], pointers[name] = value, value.data_ptr()
             if owner._buffers[attr] is not value:
                 owner._buffers[attr] = value
 

@@ -193,6 +193,16 @@ class TileMode(TorchFunctionMode):
                 bias = None if bias is None else bias.float()
             if self.tile_rows is None:
                 return F.linear(x, weight, bias)
+            if type(weight).__name__ == "DTensor":
+                # FSDP gathers its shards before a layer computes; a weight still sharded here
+                # is tensor parallelism: its row-parallel sums cross ranks in an order the
+                # tiles do not fix.
+                raise InvariantNumericsError(
+                    f"F.linear on a DTensor weight {list(weight.shape)} placed "
+                    f"{tuple(getattr(weight, 'placements', ()))}: tensor parallelism "
+                    "(parallelize_module) is not covered by oldlogit's numerics yet; score with "
+                    "a data-parallel copy of the model (DDP/FSDP), or without trainer_numerics"
+                )
             return tiled_linear(x, weight, bias, tile_rows=self.tile_rows)
         if self.tile_rows is None:
             return func(*args, **kwargs)

@@ -30,7 +30,6 @@ __all__ = [
     "keep_in_fp32",
     "params_on_meta",
     "reference_buffers",
-    "weight_buffers",
 ]
 
 _META_LOCK = threading.Lock()
@@ -126,22 +125,20 @@ def keep_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
                         store[name] = tensor.to(torch.float32)
 
 
-def weight_buffers(module: nn.Module) -> frozenset[str]:
-    """Names of the persistent buffers (a checkpoint carries them: weights, not buffers)."""
-    state = module.state_dict(keep_vars=True)
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    return frozenset(n for n in state if n not in params)
-
-
 def reference_buffers(module: nn.Module) -> dict[str, Tensor]:
-    """The floating buffers ``module``'s forward reads that are not weights: the non-persistent
-    ones (``named_buffers`` minus the state dict), by name."""
-    persistent = weight_buffers(module)
-    return {
-        n: b
-        for n, b in module.named_buffers(remove_duplicate=False)
-        if n not in persistent and b.is_floating_point()
-    }
+    """The floating buffers ``module``'s forward reads that are not weights — the
+    non-persistent ones, which no state dict carries — by name. Read off each submodule's own
+    buffer table (``state_dict()`` would run wrappers' hooks: FSDP1 initialises itself there)."""
+    out: dict[str, Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, buf in sub._buffers.items():
+            if (
+                buf is not None
+                and buf.is_floating_point()
+                and name in sub._non_persistent_buffers_set
+            ):
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
 
 
 def _digest(t: Tensor) -> str:

@@ -20,7 +20,9 @@ autocast dtype for the forward (gradients flow back to them), autocast itself of
 the forward is the service's model at that dtype. The floating buffers the forward reads that
 are not weights (rotary ``inv_freq``, embedding scales) are, while patched, the values a model
 built from the config at that dtype holds (``skeleton.reference_buffers``: what the service
-runs; a ``model.to(torch.bfloat16)`` had cast them). A module whose forward is neither
+runs; a ``model.to(torch.bfloat16)`` had cast them), and a weight held in another dtype than
+that model holds it (a tensor transformers keeps in float32, cast by a module cast) is cast to
+it for the forward, as the service holds it once published. A module whose forward is neither
 transformers' nor torch's (liger-kernel, PEFT, a hand-written forward) is refused by name in
 strict mode. Under ``torch.compile`` the patched forward runs eagerly (compiled code fuses ops
 and would change bits). On exit (``restore``) the model is exactly as before.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import dataclasses
 import functools
 import logging
 import threading
@@ -141,7 +144,8 @@ def _configs(model: nn.Module) -> list[Any]:
 @dataclass
 class _Reference:
     """What a model built from the config at one dtype holds: its non-weight floating buffers
-    (on CPU) and each parameter's dtype (float32 where the model keeps a tensor in float32)."""
+    (on CPU) and each weight's dtype (parameters and persistent buffers; float32 where the
+    model keeps a tensor in float32)."""
 
     buffers: dict[str, Tensor]
     param_dtypes: dict[str, torch.dtype]
@@ -166,6 +170,7 @@ class NumericsPatch:
     _installed: tuple[torch.dtype, dict[str, Tensor], dict[str, int]] | None = None
     _compute: ComputeDtype | None = None
     _sharded: tuple[bool, torch.dtype | None, str] = (False, None, "")
+    _differs: dict[torch.dtype, bool] = field(default_factory=dict)
     # (module, its path + ".", attribute) of every checkpoint function slot of the model.
     _checkpointed: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     device_type: str = "cpu"  # of the last call (autocast is per device type)
@@ -227,7 +232,7 @@ class NumericsPatch:
             skeleton = _skeleton_of(self.model, dtype)
             ref = _Reference(
                 buffers={n: b.detach().to("cpu") for n, b in reference_buffers(skeleton).items()},
-                param_dtypes={n: p.dtype for n, p in skeleton.named_parameters()},
+                param_dtypes={n: t.dtype for n, t in _weights_of(skeleton)},
             )
             self._refs[dtype] = ref
         return ref
@@ -287,6 +292,11 @@ class NumericsPatch:
                 f"{compute.name!r} here (from {compute.source}), {like.dtype!r} there. "
                 + _dtype_fix(like.dtype, compute.sharded)
             )
+        if not compute.sharded and not compute.cast_params and self._params_differ(compute.dtype):
+            # Tensors in another dtype than the service's model holds (float32-kept ones after a
+            # module cast, a module left in float32): cast for the forward, as the service holds
+            # them once published.
+            compute = dataclasses.replace(compute, cast_params=True)
         self._compute = compute
         self.install_buffers(compute.dtype)
         if like is not None and device_type is None:
@@ -297,21 +307,44 @@ class NumericsPatch:
                 )
         return compute
 
+    def _params_differ(self, dtype: torch.dtype) -> bool:
+        """Whether a floating parameter's dtype is not the skeleton's at ``dtype`` (cached)."""
+        found = self._differs.get(dtype)
+        if found is None:
+            want = self.reference(dtype).param_dtypes
+            found = any(
+                t.is_floating_point() and t.dtype != want.get(clean_name(n), dtype)
+                for n, t in _weights_of(self.model)
+            )
+            self._differs[dtype] = found
+        return found
+
     @contextmanager
     def cast_parameters(self, module: nn.Module, prefix: str = "") -> Iterator[None]:
         """``module``'s parameters cast to the reference dtypes for the duration (autocast
-        over float32 masters; differentiable: gradients reach the masters)."""
+        over float32 masters, tensors a module cast moved off their kept dtype;
+        differentiable: gradients reach the trainer's tensors)."""
         ref = self.reference(self.compute.dtype)
         casts: dict[str, Tensor] = {}
-        for name, param in module.named_parameters():
+        for name, tensor in _weights_of(module):
             want = ref.param_dtypes.get(clean_name(prefix + name), self.compute.dtype)
-            if param.is_floating_point() and param.dtype != want:
-                casts[name] = param.to(want)
+            if tensor.is_floating_point() and tensor.dtype != want:
+                casts[name] = tensor.to(want)
         if not casts:
             yield
             return
         with _reparametrize_module(module, casts, tie_weights=True):
             yield
+
+
+def _weights_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """What a version's weights hold of ``module``: its parameters and persistent buffers
+    (DeepSeek-V3's routing bias), by name."""
+    yield from module.named_parameters()
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def _dtype(name: str) -> torch.dtype:

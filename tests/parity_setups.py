@@ -264,12 +264,13 @@ SETUPS = [
 ]
 
 
-def _padded(seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(seqs: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch (ids, attention mask), each [len(seqs), longest]."""
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.from_numpy(s)
+        ids[i, width - len(s) :] = torch.from_numpy(np.asarray(s, dtype=np.int64))
         mask[i, width - len(s) :] = 1
     return ids, mask
 
@@ -302,7 +303,7 @@ def _pi_theta(
     total = torch.zeros(())
     for lo in range(0, len(seqs), size):
         chunk = seqs[lo : lo + size]
-        ids, mask = _padded(chunk)
+        ids, mask = left_padded(chunk)
         with torch.set_grad_enabled(grad):
             out = token_logprobs(model, ids, mask)  # [b, T]
         width = ids.shape[1]

@@ -1,14 +1,19 @@
 """One rank of tests/integration/test_parity_distributed.py (run as a process per rank).
 
-``python -m tests.integration.parity_worker SETUP RANK WORLD INIT_FILE URL MODEL_DIR WEIGHTS OUT``:
-joins a gloo group, loads the test model with the weights of one published version as SETUP
-says (``ddp``: bfloat16 under DistributedDataParallel; ``fsdp2_mp``: float32 masters sharded
-with ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32))``
-as verl's FSDP2 actor and torchtitan run; ``fsdp2_fp32``: the same without a param_dtype;
-``fsdp2_autocast``: that under ``torch.autocast(bfloat16)``), enters
-``trainer_numerics(model, like=the service's spec)`` and scores its share of the samples
-(every rank a different micro-batch), then runs the backward. Writes to OUT, as JSON: tokens
-compared, tokens bitwise equal, max |Δ|, whether gradients arrived — or the refusal's message.
+``python -m tests.integration.parity_worker SETUPS RANK WORLD INIT_FILE URL MODEL_DIR WEIGHTS
+OUT``: joins a gloo group and, for each of the comma-separated SETUPS in turn, loads the test
+model with the weights of one published version as the setup says —
+- ``ddp``: bfloat16 under DistributedDataParallel;
+- ``fsdp2_mp``: float32 masters sharded with ``fully_shard(mp_policy=MixedPrecisionPolicy(
+  param_dtype=bfloat16, reduce_dtype=float32))``, as verl's FSDP2 actor and torchtitan run;
+- ``fsdp1_mp``: float32 masters under FSDP1 with ``MixedPrecision(param_dtype=bfloat16,
+  buffer_dtype=bfloat16)``, a unit per decoder layer;
+- ``fsdp2_fp32``: FSDP2 without a param_dtype; ``fsdp2_autocast``: that under
+  ``torch.autocast(bfloat16)``; ``tp``: bfloat16 under torch's tensor parallelism —
+enters ``trainer_numerics(model, like=the service's spec)``, scores its share of the samples
+(every rank a different micro-batch), runs the backward and the parity canary. Writes to OUT,
+as JSON per setup: tokens compared, tokens bitwise equal, max |Δ|, whether gradients arrived —
+or the refusal's message.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from oldlogit.parity import (
     trainer_numerics,
     verify,
 )
+from tests.parity_setups import left_padded
 
 VERSION = 2
 LENGTHS = (3, 9, 17, 30, 41, 64, 77, 90, 5, 12, 33, 70)
@@ -112,8 +118,57 @@ def _tensor_parallel(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return model
 
 
+def run_setup(
+    setup: str, rank: int, world: int, url: str, model_dir: str, weights_file: str
+) -> dict[str, Any]:
+    """One setup on this rank: what it saw (see the module docstring)."""
+    seen: dict[str, Any] = {"rank": rank, "setup": setup}
+    model = build(setup, model_dir, load_file(weights_file))
+    model.train()
+    with Client(url, timeout_s=120) as client:
+        spec = client.info().numerics_spec()
+        vocab = client.info().vocab_size
+        mine = samples(vocab)[rank::world]  # every rank its own micro-batch
+        served = client.logprobs_batch(
+            [Sequence(token_ids=s, policy_version=VERSION, score_from=1) for s in mine],
+            use_cache=False,
+        )
+    ids, mask = left_padded(mine)
+    width = ids.shape[1]
+    around = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if setup == "fsdp2_autocast"
+        else torch.autocast("cpu", enabled=False)
+    )
+    try:
+        with trainer_numerics(model, like=spec), around:
+            out_lp = token_logprobs(model, ids, mask)  # [b, T], with autograd
+            (out_lp * mask).sum().backward()
+    except (NumericsMismatch, InvariantNumericsError) as exc:
+        seen["refused"] = str(exc)
+        return seen
+    equal = total = 0
+    max_abs = 0.0
+    for i, (s, res) in enumerate(zip(mine, served, strict=True)):
+        got = out_lp[i, width - len(s) + 1 :].detach().float().numpy()
+        want = res.logprobs[1:]
+        equal += int(np.sum(got == want))
+        total += got.size
+        max_abs = max(max_abs, float(np.max(np.abs(got - want))))
+    seen.update(tokens=total, equal=equal, max_abs=max_abs)
+    # Parameters this rank holds elements of (FSDP1 leaves the others empty here).
+    local = [p for p in model.parameters() if p.numel() > 0]
+    seen["grads"] = sum(p.grad is not None for p in local)
+    seen["params"] = len(local)
+    # The canary on every rank: weights gathered from the shards and matched by their hash as
+    # published (float32 masters cast to the serving dtype), then scored.
+    with Client(url, timeout_s=120) as client:
+        seen["verified_tokens"] = verify(model, client, VERSION).tokens
+    return seen
+
+
 def main(
-    setup: str,
+    setups: list[str],
     rank: int,
     world: int,
     init_file: str,
@@ -122,63 +177,22 @@ def main(
     weights_file: str,
     out: str,
 ) -> None:
+    """Every setup in turn in one process group (one process start per rank for all)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    seen: dict[str, Any] = {"rank": rank, "setup": setup}
+    results: dict[str, Any] = {}
     try:
-        model = build(setup, model_dir, load_file(weights_file))
-        model.train()
-        with Client(url, timeout_s=120) as client:
-            spec = client.info().numerics_spec()
-            vocab = client.info().vocab_size
-            mine = samples(vocab)[rank::world]  # every rank its own micro-batch
-            served = client.logprobs_batch(
-                [Sequence(token_ids=s, policy_version=VERSION, score_from=1) for s in mine],
-                use_cache=False,
-            )
-        width = max(len(s) for s in mine)
-        ids = torch.zeros(len(mine), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(mine):
-            ids[i, width - len(s) :] = torch.from_numpy(s)
-            mask[i, width - len(s) :] = 1
-        around = (
-            torch.autocast("cpu", dtype=torch.bfloat16)
-            if setup == "fsdp2_autocast"
-            else torch.autocast("cpu", enabled=False)
-        )
-        try:
-            with trainer_numerics(model, like=spec), around:
-                out_lp = token_logprobs(model, ids, mask)  # [b, T], with autograd
-                (out_lp * mask).sum().backward()
-        except (NumericsMismatch, InvariantNumericsError) as exc:
-            seen["refused"] = str(exc)
-        else:
-            equal = total = 0
-            max_abs = 0.0
-            for i, (s, res) in enumerate(zip(mine, served, strict=True)):
-                got = out_lp[i, width - len(s) + 1 :].detach().float().numpy()
-                want = res.logprobs[1:]
-                equal += int(np.sum(got == want))
-                total += got.size
-                max_abs = max(max_abs, float(np.max(np.abs(got - want))))
-            seen.update(tokens=total, equal=equal, max_abs=max_abs)
-            # Parameters this rank holds elements of (FSDP1 leaves the others empty here).
-            local = [p for p in model.parameters() if p.numel() > 0]
-            seen["grads"] = sum(p.grad is not None for p in local)
-            seen["params"] = len(local)
-            # The canary on every rank: weights gathered from the shards and matched by their
-            # hash as published (float32 masters cast to the serving dtype), then scored.
-            with Client(url, timeout_s=120) as client:
-                report = verify(model, client, VERSION)
-            seen["verified_tokens"] = report.tokens
-    except Exception:
-        seen["error"] = traceback.format_exc()
+        for setup in setups:
+            try:
+                results[setup] = run_setup(setup, rank, world, url, model_dir, weights_file)
+            except Exception:
+                results[setup] = {"rank": rank, "setup": setup, "error": traceback.format_exc()}
+            dist.barrier()
     finally:
         with open(out, "w") as f:
-            json.dump(seen, f)
+            json.dump(results, f)
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], int(a[1]), int(a[2]), a[3], a[4], a[5], a[6], a[7])
+    main(a[0].split(","), int(a[1]), int(a[2]), a[3], a[4], a[5], a[6], a[7])

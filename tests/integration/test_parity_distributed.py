@@ -33,24 +33,33 @@ from tests.integration.parity_worker import VERSION
 REPO = Path(__file__).resolve().parents[2]
 
 
+SETUPS = ["ddp", "fsdp2_mp", "fsdp1_mp", "fsdp2_fp32", "fsdp2_autocast", "tp"]
+
+
 @pytest.fixture(scope="module")
-def bf16_served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Served]:
-    s = start_served(tmp_path_factory.mktemp("dist"), model_dir, dtype="bfloat16")
-    yield s
-    s.server.stop()
+def seen(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> Iterator[dict[str, list[dict[str, object]]]]:
+    """Every setup on both ranks: one process per rank runs them all in turn."""
+    tmp = tmp_path_factory.mktemp("dist")
+    served = start_served(tmp, model_dir, dtype="bfloat16")
+    try:
+        yield _run(served, model_dir, tmp)
+    finally:
+        served.server.stop()
 
 
-def _run(setup: str, served: Served, model_dir: Path, tmp: Path) -> list[dict[str, object]]:
+def _run(served: Served, model_dir: Path, tmp: Path) -> dict[str, list[dict[str, object]]]:
     weights = tmp / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in served.weights[VERSION].items()}, str(weights))
     threads = str(torch.get_num_threads())  # the service's: part of the numerics on CPU
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
     procs, outs = [], []
     for rank in range(2):
-        out = tmp / f"{setup}-rank{rank}.json"
+        out = tmp / f"rank{rank}.json"
         outs.append(out)
-        cmd = [sys.executable, "-m", "tests.integration.parity_worker", setup, str(rank), "2"]
-        cmd += [str(tmp / f"{setup}-init"), served.server.http_url, str(model_dir)]
+        cmd = [sys.executable, "-m", "tests.integration.parity_worker", ",".join(SETUPS)]
+        cmd += [str(rank), "2", str(tmp / "init"), served.server.http_url, str(model_dir)]
         cmd += [str(weights), str(out)]
         procs.append(
             subprocess.Popen(
@@ -60,26 +69,28 @@ def _run(setup: str, served: Served, model_dir: Path, tmp: Path) -> list[dict[st
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=240)[0])
+            logs.append(p.communicate(timeout=280)[0])
         except subprocess.TimeoutExpired:
             p.kill()
             logs.append(p.communicate()[0])
-            pytest.fail(f"a rank of {setup} hung:\n{logs[-1][-3000:]}")
-    seen = [json.loads(o.read_text()) for o in outs]
-    for s, log in zip(seen, logs, strict=True):
-        assert "error" not in s, str(s.get("error", "")) + log[-3000:]
-    return seen
+            pytest.fail(f"a rank hung:\n{logs[-1][-3000:]}")
+    ranks = [json.loads(o.read_text()) for o in outs]
+    by_setup = {}
+    for setup in SETUPS:
+        by_setup[setup] = [r[setup] for r in ranks]
+        for s, log in zip(by_setup[setup], logs, strict=True):
+            assert "error" not in s, str(s.get("error", "")) + log[-3000:]
+    return by_setup
 
 
 @pytest.mark.parametrize("setup", ["ddp", "fsdp2_mp", "fsdp1_mp"])
-def test_bitwise_on_every_rank(setup: str, bf16_served: Served, model_dir: Path, tmp_path: Path):
-    seen = _run(setup, bf16_served, model_dir, tmp_path)
-    for s in seen:
+def test_bitwise_on_every_rank(setup: str, seen: dict[str, list[dict[str, object]]]) -> None:
+    for s in seen[setup]:
         assert "refused" not in s, s["refused"]
-        assert s["tokens"] > 100 and s["equal"] == s["tokens"], s
+        assert s["tokens"] > 100 and s["equal"] == s["tokens"], s  # type: ignore[operator]
         assert s["max_abs"] == 0.0
         assert s["grads"] == s["params"]  # the backward reached every parameter
-        assert s["verified_tokens"] > 100  # oldlogit.parity.verify passed on this rank
+        assert s["verified_tokens"] > 100  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(
@@ -92,8 +103,7 @@ def test_bitwise_on_every_rank(setup: str, bf16_served: Served, model_dir: Path,
     ],
 )
 def test_refused_by_name_on_every_rank(
-    setup: str, message: str, bf16_served: Served, model_dir: Path, tmp_path: Path
-):
-    seen = _run(setup, bf16_served, model_dir, tmp_path)
-    for s in seen:
+    setup: str, message: str, seen: dict[str, list[dict[str, object]]]
+) -> None:
+    for s in seen[setup]:
         assert message.lower() in str(s.get("refused", "")).lower(), s

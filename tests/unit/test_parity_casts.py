@@ -21,6 +21,7 @@ from oldlogit.parity import token_logprobs, trainer_numerics
 from oldlogit_service.model import load_model, load_weights
 from oldlogit_service.reference import reference_logprobs
 from tests.architectures import ARCHS, VOCAB, hf_model, model_dir
+from tests.parity_setups import left_padded
 
 
 @pytest.mark.parametrize("setup", ["module_cast", "autocast"])
@@ -37,12 +38,8 @@ def test_bitwise_with_the_service(arch: str, setup: str, tmp_path: Path) -> None
     trainer = hf_model(arch, seed=4)  # the checkpoint's float32 weights
     if setup == "module_cast":
         trainer = trainer.to(torch.bfloat16)
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.from_numpy(s)
-        mask[i, width - len(s) :] = 1
+    ids, mask = left_padded(seqs)
+    width = ids.shape[1]
     around = (
         torch.autocast("cpu", dtype=torch.bfloat16)
         if setup == "autocast"

@@ -510,7 +510,7 @@ class Runtime:
                 "publish by path is disabled: start the service with --publish-root DIR",
                 parameter="path",
             )
-        if not path or "\\x00" in path or len(path) > 4096:
+        if not path or "\x00" in path or len(path) > 4096:
             raise InvalidRequest(
                 "path must be a non-empty file system path (no NUL bytes, at most 4096 chars)",
                 parameter="path",

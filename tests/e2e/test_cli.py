@@ -108,6 +108,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     rc = srv.stop(signal.SIGTERM)
     for t in threads:
         t.join(timeout=60)
+        assert not t.is_alive(), "a worker thread did not finish in time"
     assert rc == 0
     # Requests accepted before SIGTERM finish; later ones are refused cleanly (never cut off).
     assert results, "the requests returned"

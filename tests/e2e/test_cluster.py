@@ -233,6 +233,7 @@ def test_sigkill_one_replica_under_load_zero_failures(tmp_path: Path) -> None:
         stop.set()
         for t in threads:
             t.join(timeout=60)
+            assert not t.is_alive(), "a worker thread did not finish in time"
         assert not failures, failures[:3]
         assert done > 50
     finally:

@@ -104,6 +104,7 @@ def run_kills(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
         stats["kills"] += 1
         stop.set()
         t.join(timeout=60)
+        assert not t.is_alive(), "a worker thread did not finish in time"
 
         # Restart on the same directory and audit it.
         srv = start_cli(args)

@@ -221,6 +221,7 @@ def test_status_page_renders_live_data_in_chromium(
         finally:
             stop.set()
             worker.join(timeout=60)
+            assert not worker.is_alive(), "a worker thread did not finish in time"
 
         assert page["refreshes"] >= 1 and page["updated"] == "ok"
         assert page["versions"] == [4, 3, 2, 1, 0]

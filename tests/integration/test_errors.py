@@ -203,6 +203,7 @@ def test_overloaded_with_retry_after(tiny_queue: Served, transport: str) -> None
         t.start()
     for t in threads:
         t.join(timeout=120)
+        assert not t.is_alive(), "a worker thread did not finish in time"
     assert ok, "some requests are served"
     overloaded = [e for e in seen if isinstance(e, errors.Overloaded)]
     assert overloaded, f"expected Overloaded among {seen!r}"

@@ -113,6 +113,7 @@ def test_health_answers_during_a_long_batch(served: Served) -> None:
         probes += 1
         time.sleep(0.02)
     t.join(timeout=120)
+    assert not t.is_alive(), "a worker thread did not finish in time"
     assert probes > 0
     assert worst < 0.5, f"/healthz took {worst:.3f}s during a batch"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -65,6 +66,19 @@ def test_publish_by_path_under_root(fresh: Served, transport: str, version: int)
         r = c.logprobs(ids, policy_version=version)
     ref = reference_logprobs(fresh.model, w, ids, SamplingParams())
     assert np.array_equal(r.logprobs, ref, equal_nan=True)
+
+
+def test_publish_by_path_refuses_a_nul_byte(fresh: Served) -> None:
+    """A NUL byte in the path is refused at the edge, naming the parameter."""
+    root = fresh.settings.publish_roots[0]
+    r = httpx.post(
+        fresh.server.http_url + "/v1/versions",
+        json={"policy_version": 40, "path": f"{root}/a\x00b.safetensors"},
+        headers={"authorization": f"Bearer {WRITE_TOKEN}"},
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["parameter"] == "path" and "no NUL bytes" in err["message"], err
 
 
 def test_file_upload_from_disk(fresh: Served, tmp_path: Path) -> None:

@@ -107,6 +107,7 @@ def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: st
         t.start()
     for t in threads:
         t.join(timeout=240)
+        assert not t.is_alive(), "a worker thread did not finish in time"
     assert not errors, errors[:3]
     assert not failures, failures[:5]
 

@@ -362,6 +362,7 @@ def test_rotation_under_load_fails_no_request(tmp_path: Path, model_dir: Path, p
         stop.set()
         for t in threads:
             t.join(timeout=60)
+            assert not t.is_alive(), "a worker thread did not finish in time"
         server.stop()
     assert not failures, failures[:3]
     assert len(done) == 4 and min(done) > 0 and sum(done) > 40, done

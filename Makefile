@@ -34,6 +34,7 @@ LINTED := $(wildcard client service tests benchmarks examples scripts)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/lint-imports  # the import contracts in pyproject.toml: client ↛ service, no cycles
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
+from oldlogit._numerics import NumericsSpec
 from oldlogit.layout import WeightLayout, WeightSource
-from oldlogit.parity._spec import NumericsSpec
 
 __all__ = [
     "FloatArray",

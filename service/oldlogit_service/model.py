@@ -32,6 +32,8 @@ from oldlogit_service.backends import (
     TransformersBackend,
     params_on_meta,
 )
+from oldlogit_service.checkpoints import canonicalize_weights, layout_of, load_weights
+from oldlogit_service.tiny import make_tiny_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +273,6 @@ def model_from_config(
             raise UnsupportedModel(
                 f"cannot serve {name} with the invariant numerics: {_one_line(exc)}"
             ) from exc
-    from oldlogit_service.checkpoints import layout_of
-
     max_positions = next((int(config[k]) for k in _MAX_POSITION_KEYS if k in config), None)
     if max_positions is None:
         logger.warning("config has no max positions; assuming %d", _FALLBACK_MAX_POSITIONS)
@@ -366,7 +366,3 @@ def load_model(
         loaded.profile,
     )
     return loaded
-
-
-from oldlogit_service.checkpoints import canonicalize_weights, load_weights  # noqa: E402
-from oldlogit_service.tiny import make_tiny_model_dir  # noqa: E402

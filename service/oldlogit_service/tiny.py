@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from oldlogit_service.backends import auto_causal_lm
-from oldlogit_service.model import dtype_from_name
 
 __all__ = ["make_tiny_model_dir"]
 
@@ -65,7 +64,9 @@ def make_tiny_model_dir(
         config.architectures = ["LlamaForCausalLM"]
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}: use 'qwen2' or 'llama'")
-    torch_dtype = dtype_from_name(dtype)
+    torch_dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype name, got {dtype!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf_model = auto_causal_lm().from_config(config, dtype=torch.float32)

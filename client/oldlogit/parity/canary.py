@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._spec import SamplingParams
+from oldlogit._numerics import SamplingParams
+
 from .logprobs import token_logprobs
 from .numerics import active_patch, trainer_numerics, unwrap_model
 from .setups import clean_name, sharded_precision

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ._spec import NumericsMismatch
+from oldlogit._numerics import NumericsMismatch
+
 from .logprobs import token_logprobs
 from .numerics import local_spec, trainer_numerics, unwrap_model
 

@@ -45,8 +45,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from oldlogit._numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
+
 from . import attention
-from ._spec import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments
 from .ops import TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._spec import NumericsMismatch
+from oldlogit._numerics import NumericsMismatch
 
 __all__ = [
     "ComputeDtype",

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._spec import SamplingParams
+from oldlogit._numerics import SamplingParams
+
 from .logprobs import _call, processed_logprobs
 from .numerics import unwrap_model
 from .setups import clean_name

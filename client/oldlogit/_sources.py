@@ -74,13 +74,14 @@ def hash_sources(
     return hasher.hexdigest()
 
 
-def _is_dtensor(x: Any) -> bool:
+def is_dtensor(x: Any) -> bool:
+    """A torch DTensor (FSDP2/TP shards), told without importing torch."""
     return type(x).__name__ == "DTensor" and hasattr(x, "full_tensor")
 
 
 def _materialize(x: Any, cast_to: str | None) -> Any:
     """The whole tensor on the CPU side of ``tensor_raw_bytes``, cast if asked."""
-    if _is_dtensor(x):
+    if is_dtensor(x):
         mesh = x.device_mesh
         if mesh.size() > 1:
             raise InvalidRequest(

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from oldlogit.layout import WeightLayout
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
+from oldlogit.parity.numerics import transformers_version
 from oldlogit.parity.skeleton import buffer_digests, reference_buffers
 from oldlogit_service.backends import (
     CallableBackend,
@@ -166,7 +167,7 @@ class LoadedModel:
             attention=self.attn_implementation or "eager",
             torch_version=torch.__version__,
             buffers=buffer_digests(reference_buffers(self.module)),
-            transformers_version=_transformers_version(),
+            transformers_version=transformers_version(),
         )
 
     def weight_dtype(self, name: str) -> torch.dtype:
@@ -298,12 +299,6 @@ def model_from_config(
         profile=numerics,
         tile_rows=tile_rows if numerics == "invariant" else None,
     )
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
 
 
 def weight_layout_info(layout: WeightLayout) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from oldlogit._delta import FORMAT, bits_view
 from oldlogit._publish import SafetensorsStream, WeightsCopy, coalesce
-from oldlogit._sources import TensorSource, check_dtype
+from oldlogit._sources import TensorSource, check_dtype, is_dtensor
 from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, Unavailable
 from oldlogit.layout import WeightLayout
 from oldlogit.types import PublishResult
@@ -42,10 +42,6 @@ from oldlogit.weights import DTYPE_ITEMSIZE, WeightHasher, dtype_name, tensor_ra
 __all__ = ["ShardedPublisher", "publish_sharded"]
 
 _QUEUE_TENSORS = 2  # gathered tensors waiting for the upload: the memory bound of a full part
-
-
-def _is_dtensor(x: Any) -> bool:
-    return type(x).__name__ == "DTensor" and hasattr(x, "full_tensor")
 
 
 class ShardedPublisher:
@@ -98,7 +94,7 @@ class ShardedPublisher:
         sid = self._open(policy_version, parent)
         sha, share = "", None
         try:
-            if any(_is_dtensor(v) for v in state_dict.values()):
+            if any(is_dtensor(v) for v in state_dict.values()):
                 sha, share = self._gathered(sid, policy_version, state_dict, layout, parent)
             else:
                 sha, share = self._own(sid, policy_version, state_dict, layout, parent)
@@ -226,7 +222,7 @@ class ShardedPublisher:
             pieces = []
             for part in assembly.parts[name]:
                 t = state[part]
-                full = t.full_tensor() if _is_dtensor(t) else t  # a collective for a DTensor
+                full = t.full_tensor() if is_dtensor(t) else t  # a collective for a DTensor
                 pieces.append(full.detach().reshape(-1))
             if name not in owned:
                 return None

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from oldlogit._numerics import SamplingParams
+from oldlogit._sources import hash_sources, is_dtensor, state_dict_sources
 
 from .logprobs import token_logprobs
 from .numerics import active_patch, trainer_numerics, unwrap_model
@@ -76,20 +77,15 @@ def canary_samples(
     ]
 
 
-def _is_dtensor(x: Any) -> bool:
-    return type(x).__name__ == "DTensor" and hasattr(x, "full_tensor")
-
-
 def published_sha256(model: nn.Module, info: Any) -> str:
     """The weight hash of ``model``'s state dict as ``Client.publish(..., cast=True)`` would
     publish it: canonical names (``info.weight_layout()``), the serving dtype, DTensors
     gathered (a collective: every rank calls it, in the same order)."""
-    from oldlogit._sources import hash_sources, state_dict_sources
 
     core = unwrap_model(model)
     state = {}
     for name, tensor in _full_state_dict(model, core).items():
-        value = tensor.full_tensor() if _is_dtensor(tensor) else tensor
+        value = tensor.full_tensor() if is_dtensor(tensor) else tensor
         state[clean_name(name)] = value.detach().to("cpu")
     return hash_sources(state_dict_sources(state, info.weight_layout(), cast=True))
 
@@ -116,7 +112,7 @@ def _agree(model: nn.Module, flag: bool) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     params = list(unwrap_model(model).parameters())
-    if not (sharded_precision(model)[0] or any(_is_dtensor(p) for p in params)):
+    if not (sharded_precision(model)[0] or any(is_dtensor(p) for p in params)):
         return flag
     device = params[0].device if params else torch.device("cpu")
     t = torch.tensor([1 if flag else 0], device=device)

@@ -284,7 +284,6 @@ class NumericsPatch:
         if like is not None and compute.name != like.dtype:
             if device_type is None and _autocast_may_fix(compute, like):
                 # Judged again at each call: the forward may run inside torch.autocast.
-                compute = ComputeDtype(compute.dtype, compute.source, sharded=compute.sharded)
                 self._compute = compute
                 self.install_buffers(_dtype(like.dtype))
                 return compute
@@ -447,11 +446,12 @@ def local_spec(
         attention=attn,
         torch_version=str(torch.__version__),
         buffers=buffer_digests(buffers),
-        transformers_version=_transformers_version(),
+        transformers_version=transformers_version(),
     )
 
 
-def _transformers_version() -> str:
+def transformers_version() -> str:
+    """The transformers release computing the forward ('': not installed)."""
     try:
         import transformers
     except ImportError:  # pragma: no cover - the trainer extra installs it

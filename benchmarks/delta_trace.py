@@ -49,7 +49,7 @@ def _train_versions(args: argparse.Namespace, lr: float, root: Path) -> Any:
     """Yield ``{name: bf16 tensor}`` per version: the initial weights, then one per step."""
     from transformers import AutoModelForCausalLM
 
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     h = args.trace_hidden
     model_dir = make_tiny_model_dir(
@@ -114,7 +114,7 @@ def _one_lr(args: argparse.Namespace, lr: float) -> list[Figure]:
     t_train = time.perf_counter()
     for v, (model_dir, weights) in enumerate(_train_versions(args, lr, root)):
         if store is None:
-            from oldlogit_service.model import load_model
+            from oldlogit_service.model.loaded import load_model
 
             specs = load_model(model_dir, dtype=torch.bfloat16, device="cpu").param_specs
             store = SnapshotStore(

@@ -31,7 +31,7 @@ from benchmarks.common import Figure, ServerProcess, concurrent
 
 
 def _model_dir(root: Path, *, hidden: int, layers: int, vocab: int, dtype: str) -> Path:
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     return make_tiny_model_dir(
         root,
@@ -171,7 +171,7 @@ def _trl_batch(vocab: int, batch: int, prompt: int, completion: int, seed: int) 
 
 
 def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
-    from oldlogit_service.tiny import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     small = _model_dir(
         root / "i3-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"

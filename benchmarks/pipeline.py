@@ -32,8 +32,10 @@ def run(args: argparse.Namespace) -> list[Figure]:
     import torch
 
     from oldlogit import Client
-    from oldlogit_service.demo import demo_versions
-    from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+    from oldlogit_service.demo.deployment import demo_versions
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.loaded import load_model
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-pipeline-"))
     model_dir = make_tiny_model_dir(

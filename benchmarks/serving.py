@@ -20,7 +20,7 @@ from benchmarks.common import Figure, ServerProcess, summary, timed
 
 
 def build_model(args: argparse.Namespace, root: Path) -> Path:
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     return make_tiny_model_dir(
         root / "model",
@@ -38,9 +38,10 @@ def build_model(args: argparse.Namespace, root: Path) -> Path:
 
 def run(args: argparse.Namespace) -> list[Figure]:
     from oldlogit import Client, Sequence
-    from oldlogit_service.engine import Engine, Job
-    from oldlogit_service.model import load_model, load_weights
-    from oldlogit_service.numerics import SamplingParams
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.engine import Engine, Job
+    from oldlogit_service.model.loaded import load_model
+    from oldlogit_service.model.numerics import SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-"))
     model_dir = build_model(args, root)

@@ -50,7 +50,9 @@ def _pctl(xs: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> list[Figure]:
     from oldlogit import Client, OldLogitError
-    from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.loaded import load_model
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-soak-"))
     model_dir = make_tiny_model_dir(

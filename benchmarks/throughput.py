@@ -64,10 +64,11 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 def run(args: argparse.Namespace) -> list[Figure]:
     from oldlogit import Client, Sequence
-    from oldlogit_service.demo import demo_versions
-    from oldlogit_service.engine import Engine, Job, measure_fast_mode_deviation
-    from oldlogit_service.model import load_model, load_weights
-    from oldlogit_service.numerics import SamplingParams
+    from oldlogit_service.demo.deployment import demo_versions
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.engine import Engine, Job, measure_fast_mode_deviation
+    from oldlogit_service.model.loaded import load_model
+    from oldlogit_service.model.numerics import SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-g-"))
     model_dir = build_model(args, root)

@@ -24,7 +24,7 @@ from benchmarks.common import Figure, ServerProcess, concurrent
 
 
 def _model(root: Path) -> Path:
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     return make_tiny_model_dir(
         root / "model", arch="qwen2", seed=0, vocab_size=1024, hidden_size=64, num_layers=2

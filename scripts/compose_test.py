@@ -159,7 +159,7 @@ class Stack:
 
 
 def tiny_model(workdir: Path) -> Path:
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     model = make_tiny_model_dir(workdir / "model", vocab_size=512, hidden_size=64, num_layers=2)
     for p in [workdir, *workdir.rglob("*")]:  # the containers read it as uid 10001

@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     cache: dict[tuple[tuple[str, Any], ...], Path] = {}
 
@@ -53,7 +53,8 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
 @pytest.fixture(scope="session")
 def tiny_loaded_factory(tiny_model_factory: Callable[..., Path]) -> Callable[..., tuple[Any, Any]]:
-    from oldlogit_service.model import load_model, load_weights
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.loaded import load_model
 
     cache: dict[tuple[tuple[str, Any], ...], tuple[Any, Any]] = {}
 

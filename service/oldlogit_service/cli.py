@@ -240,8 +240,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from oldlogit_service.api.tls import TlsConfigError
     from oldlogit_service.server import Bound, serve, server_tls
-    from oldlogit_service.tls import TlsConfigError
 
     try:
         tls = server_tls(settings)  # before the model loads: a bad file fails at once
@@ -263,8 +263,8 @@ def _serve(args: argparse.Namespace) -> int:
             )
 
     from oldlogit import OldLogitError
-    from oldlogit_service.engine import NumericsCheckFailed
-    from oldlogit_service.model import UnsupportedModel
+    from oldlogit_service.model.engine import NumericsCheckFailed
+    from oldlogit_service.model.loaded import UnsupportedModel
 
     started = False
 

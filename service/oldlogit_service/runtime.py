@@ -54,16 +54,16 @@ from oldlogit.types import (
 )
 from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCacheBackend
-from oldlogit_service.checkpoints import canonical_file
+from oldlogit_service.cluster.control import Control
 from oldlogit_service.config import Settings
-from oldlogit_service.control import Control
-from oldlogit_service.engine import Engine, Job, SamplingParams
-from oldlogit_service.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics, ServiceState
-from oldlogit_service.model import LoadedModel, weight_layout_info
+from oldlogit_service.model.checkpoints import canonical_file
+from oldlogit_service.model.engine import Engine, Job, SamplingParams
+from oldlogit_service.model.ewma import EwmaProxy, resolve_hashes
+from oldlogit_service.model.loaded import LoadedModel, weight_layout_info
+from oldlogit_service.publishing.sessions import Sessions
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
-from oldlogit_service.sessions import Sessions
 from oldlogit_service.snapshots import SnapshotStore, check_version
 from oldlogit_service.validate import Limits, SequencePlan, check_trace, plan_request
 

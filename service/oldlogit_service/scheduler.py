@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's 
     from typing_extensions import TypeIs
 
     from oldlogit.parity.trace import TraceStage
-    from oldlogit_service.engine import Engine, Job
+    from oldlogit_service.model.engine import Engine, Job
 
 logger = logging.getLogger(__name__)
 

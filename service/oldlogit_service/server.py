@@ -29,26 +29,26 @@ from torch import Tensor
 
 from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app, create_health_app
+from oldlogit_service.api.tls import ServerTls
 from oldlogit_service.cache import ResultCache
-from oldlogit_service.cluster import ClusterControl, advertised_address, default_replica_id
+from oldlogit_service.cluster.control import Control, LocalControl
+from oldlogit_service.cluster.redis_adapters import RedisResultCache, check_eviction_policy, connect
+from oldlogit_service.cluster.replicas import ClusterControl, advertised_address, default_replica_id
 from oldlogit_service.config import Settings
-from oldlogit_service.control import Control, LocalControl
-from oldlogit_service.demo import DEMO_MODEL_KWARGS, publish_demo_versions
-from oldlogit_service.engine import Engine, measure_fast_mode_deviation, self_check
-from oldlogit_service.ewma import EwmaProxy
+from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS, publish_demo_versions
+from oldlogit_service.demo.tiny import make_tiny_model_dir
 from oldlogit_service.history import sample_forever
-from oldlogit_service.model import (
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.engine import Engine, measure_fast_mode_deviation, self_check
+from oldlogit_service.model.ewma import EwmaProxy
+from oldlogit_service.model.loaded import (
     LoadedModel,
     dtype_from_name,
     load_model,
-    load_weights,
-    make_tiny_model_dir,
     resolve_device,
 )
-from oldlogit_service.redis_adapters import RedisResultCache, check_eviction_policy, connect
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.snapshots import SnapshotStore
-from oldlogit_service.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 

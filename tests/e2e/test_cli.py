@@ -122,8 +122,10 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
 def test_publish_command(demo_server: CliServer, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from oldlogit_service.demo import DEMO_MODEL_KWARGS
-    from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+    from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.loaded import load_model
 
     model_dir = make_tiny_model_dir(tmp_path / "m", **DEMO_MODEL_KWARGS)
     import torch
@@ -181,8 +183,8 @@ def test_parity_command(demo_server: CliServer, tmp_path: Path) -> None:
     """`oldlogit parity`: the patched forward is bitwise the service at every micro-batch size
     (and ``--explain``'s canary passes); a model holding other weights than the version is
     refused with one line."""
-    from oldlogit_service.demo import DEMO_MODEL_KWARGS
-    from oldlogit_service.model import make_tiny_model_dir
+    from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "m", **DEMO_MODEL_KWARGS)  # the demo's version 0
     base = [sys.executable, "-m", "oldlogit_service.cli", "parity", "--model", str(model_dir)]

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from oldlogit import Client, errors
-from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.demo.tiny import make_tiny_model_dir
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.loaded import load_model
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 from tests.redis_server import RedisServer
 
 from .conftest import CliServer, start_cli

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from oldlogit import Client, OldLogitError
-from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+from oldlogit_service.demo.tiny import make_tiny_model_dir
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.loaded import load_model
 
 from .conftest import start_cli
 

@@ -157,7 +157,7 @@ def test_status_page_renders_live_data_in_chromium(
         if os.environ.get("CI"):  # a green CI must not hide a missing install step
             pytest.fail("chromium is missing in CI: .ci/run must install it")
         pytest.skip("needs Debian chromium (.ci/run installs it)")
-    from oldlogit_service.demo import DEMO_MODEL_KWARGS
+    from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS
 
     base = f"http://{demo_server.http}"
     info = httpx.get(f"{base}/v1/info").json()

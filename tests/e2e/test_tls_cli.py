@@ -47,8 +47,10 @@ def leaf(host_port: str, ca: Path, alpn: str) -> bytes:
 def test_serve_with_mutual_tls_publish_parity_and_sighup(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from oldlogit_service.demo import DEMO_MODEL_KWARGS
-    from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+    from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.loaded import load_model
 
     ca, other = CertAuthority(tmp_path / "pki", "cli CA"), CertAuthority(tmp_path / "pki", "x")
     server, client = ca.issue("server"), ca.issue("client", client=True)

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from oldlogit_service.config import Settings
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.model import LoadedModel, load_model, load_weights, make_tiny_model_dir
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.demo.tiny import make_tiny_model_dir
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.loaded import LoadedModel, load_model
 from oldlogit_service.server import ServerThread
 
 WRITE_TOKEN = "test-write-token"

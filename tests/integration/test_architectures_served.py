@@ -21,9 +21,10 @@ import torch
 from oldlogit import Client, Sequence
 from oldlogit.weights import weight_sha256
 from oldlogit_service.config import Settings
-from oldlogit_service.model import canonicalize_weights, load_model
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.checkpoints import canonicalize_weights
+from oldlogit_service.model.loaded import load_model
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 from oldlogit_service.server import ServerThread
 from tests.architectures import ARCHS, VOCAB, hf_model, model_dir, persistent_state
 from tests.integration.conftest import WRITE_TOKEN

@@ -13,8 +13,8 @@ import torch
 
 from oldlogit import Client, InvalidRequest, ParentMissing, UnknownVersion, WeightsMismatch
 from oldlogit._publish import WeightsCopy
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

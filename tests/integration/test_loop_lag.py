@@ -22,8 +22,10 @@ import torch
 
 from oldlogit import Client
 from oldlogit_service.config import Settings
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.model import load_model, load_weights, make_tiny_model_dir
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.demo.tiny import make_tiny_model_dir
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.loaded import load_model
 from oldlogit_service.server import ServerThread
 from tests.integration.conftest import WRITE_TOKEN
 from tests.redis_server import RedisServer

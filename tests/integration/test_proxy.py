@@ -15,9 +15,9 @@ import torch
 from oldlogit import Client, Sequence, SequenceResult
 from oldlogit.errors import InvalidRequest, UnknownVersion, VersionEvicted
 from oldlogit.weights import weight_sha256
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from oldlogit import Client
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

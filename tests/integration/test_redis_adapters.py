@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from oldlogit import errors
-from oldlogit_service.redis_adapters import (
+from oldlogit_service.cluster.redis_adapters import (
     EventListener,
     RedisLeases,
     RedisMembership,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from oldlogit import Client, Sequence
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs_versions
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs_versions
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

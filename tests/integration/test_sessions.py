@@ -21,8 +21,8 @@ import torch
 from oldlogit import Client, Conflict, NotFound, UnknownVersion, WeightsMismatch
 from oldlogit._publish import SafetensorsStream, WeightsCopy
 from oldlogit.weights import weight_sha256
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

@@ -228,7 +228,7 @@ def test_grpc_dynamic_credentials_rotate_new_handshakes_only(tmp_path: Path, pki
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_health.v1.health import aio as health_aio
 
-    from oldlogit_service.tls import ServerTls
+    from oldlogit_service.api.tls import ServerTls
 
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     _install(pki.server, cert, key)

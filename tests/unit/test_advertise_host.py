@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from oldlogit_service.cli import main
-from oldlogit_service.cluster import advertised_address
+from oldlogit_service.cluster.replicas import advertised_address
 from oldlogit_service.config import Settings, is_wildcard
 
 

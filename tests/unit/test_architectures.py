@@ -24,10 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from oldlogit.parity import token_logprobs, trainer_numerics
-from oldlogit_service.engine import Engine, Job, self_check
-from oldlogit_service.model import load_model, load_weights
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.engine import Engine, Job, self_check
+from oldlogit_service.model.loaded import load_model
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 from tests.architectures import ARCHS, MOE, VOCAB, WINDOW, model_dir
 
 LENGTHS = (3, WINDOW + 3, 23, 41)  # most longer than the sliding window

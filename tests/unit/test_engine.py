@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from oldlogit.errors import OutOfMemory
-from oldlogit_service.engine import Engine, Job, measure_fast_mode_deviation
-from oldlogit_service.numerics import HEAD_CHUNK_ROWS, SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.engine import Engine, Job, measure_fast_mode_deviation
+from oldlogit_service.model.numerics import HEAD_CHUNK_ROWS, SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 
 # Fast-mode bounds: measured max |fast − reference| on these models was ~9e-6 (fp32) and
 # ~0.08 (bf16, temperature 0.7); the bounds leave headroom for other CPUs' kernels.
@@ -216,7 +216,7 @@ def test_out_of_memory_is_mapped(tiny_model, tiny_weights, monkeypatch, exc):
     def boom(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr("oldlogit_service.engine.row_logits", boom)
+    monkeypatch.setattr("oldlogit_service.model.engine.row_logits", boom)
     with pytest.raises(OutOfMemory) as info:
         Engine(tiny_model).run(tiny_weights, [Job(torch.tensor([1, 2]), torch.tensor([1]))])
     assert info.value.__cause__ is exc
@@ -227,7 +227,7 @@ def test_other_runtime_errors_pass_through(tiny_model, tiny_weights, monkeypatch
     def boom(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr("oldlogit_service.engine.row_logits", boom)
+    monkeypatch.setattr("oldlogit_service.model.engine.row_logits", boom)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         Engine(tiny_model).run(tiny_weights, [Job(torch.tensor([1, 2]), torch.tensor([1]))])
 

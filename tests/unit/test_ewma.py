@@ -17,11 +17,12 @@ from oldlogit.errors import InvalidRequest, UnknownVersion, VersionEvicted
 from oldlogit.types import LogprobsRequest, Sampling, Sequence
 from oldlogit.weights import weight_sha256
 from oldlogit_service.config import Settings
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.ewma import STATE_FILE, EwmaProxy
-from oldlogit_service.model import load_model, load_weights
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.ewma import STATE_FILE, EwmaProxy
+from oldlogit_service.model.loaded import load_model
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.server import build_runtime
 

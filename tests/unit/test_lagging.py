@@ -21,10 +21,10 @@ import pytest
 from oldlogit.errors import VersionEvicted
 from oldlogit.types import LogprobsRequest, Sequence
 from oldlogit_service.config import Settings
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.model import load_weights
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs_versions
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs_versions
 from oldlogit_service.scheduler import BatchPolicy, Scheduler, WorkItem, pick_batch_lagging
 from oldlogit_service.server import build_runtime
 

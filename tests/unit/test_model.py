@@ -12,24 +12,25 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from oldlogit.errors import InvalidRequest, WeightsMismatch
-from oldlogit_service.engine import Engine, Job
-from oldlogit_service.model import (
+from oldlogit_service.demo.tiny import make_tiny_model_dir
+from oldlogit_service.model.backends import (
     CallableBackend,
     ModelBackend,
     TransformersBackend,
+    params_on_meta,
+)
+from oldlogit_service.model.checkpoints import canonicalize_weights, load_weights
+from oldlogit_service.model.engine import Engine, Job
+from oldlogit_service.model.loaded import (
     UnsupportedModel,
-    canonicalize_weights,
     dtype_from_name,
     dtype_name,
     load_model,
-    load_weights,
-    make_tiny_model_dir,
     model_from_config,
-    params_on_meta,
     resolve_device,
     safetensors_dtype_name,
 )
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.reference import reference_logprobs
 
 
 def test_params_on_meta_keeps_buffers_real():

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from oldlogit.parity import token_logprobs, trainer_numerics
-from oldlogit_service.model import load_model, load_weights
-from oldlogit_service.reference import reference_logprobs
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.loaded import load_model
+from oldlogit_service.model.reference import reference_logprobs
 from tests.architectures import ARCHS, VOCAB, hf_model, model_dir
 from tests.parity_setups import left_padded
 

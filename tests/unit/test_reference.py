@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from oldlogit_service.numerics import SamplingParams, processed_logprobs
-from oldlogit_service.reference import reference_logprobs, reference_logprobs_versions
+from oldlogit_service.model.numerics import SamplingParams, processed_logprobs
+from oldlogit_service.model.reference import reference_logprobs, reference_logprobs_versions
 
 NEG_INF = float("-inf")
 

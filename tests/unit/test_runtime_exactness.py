@@ -17,9 +17,9 @@ import torch
 
 from oldlogit.types import LogprobsRequest, Sampling, Sequence
 from oldlogit_service.config import Settings
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.numerics import SamplingParams
-from oldlogit_service.reference import reference_logprobs_versions
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.model.numerics import SamplingParams
+from oldlogit_service.model.reference import reference_logprobs_versions
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.server import build_runtime
 
@@ -31,7 +31,7 @@ CASES_PER_CONFIG = 60  # x 4 configs = 240 sequences per run
 def _runtime(
     model_dir: Path, snap: Path, **kw: Any
 ) -> tuple[Runtime, dict[int, dict[str, torch.Tensor]]]:
-    from oldlogit_service.model import load_weights
+    from oldlogit_service.model.checkpoints import load_weights
 
     rt = build_runtime(Settings(model=model_dir, snapshot_dir=snap, max_wait_ms=1.0, **kw))
 

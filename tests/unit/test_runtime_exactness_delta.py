@@ -16,9 +16,9 @@ import torch
 
 from oldlogit._publish import WeightsCopy
 from oldlogit_service.config import Settings
-from oldlogit_service.demo import demo_versions
-from oldlogit_service.model import load_weights
-from oldlogit_service.reference import reference_logprobs_versions
+from oldlogit_service.demo.deployment import demo_versions
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.reference import reference_logprobs_versions
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.server import build_runtime
 

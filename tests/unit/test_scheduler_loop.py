@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from oldlogit.errors import DeadlineExceeded, InternalError, Overloaded, UnknownVersion
-from oldlogit_service.engine import Job
-from oldlogit_service.numerics import SamplingParams
+from oldlogit_service.model.engine import Job
+from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
 
 

@@ -29,8 +29,8 @@ from oldlogit.errors import (
     InvalidRequest,
     OldLogitError,
 )
+from oldlogit_service.api.tls import ServerTls
 from oldlogit_service.runtime import Runtime
-from oldlogit_service.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,9 @@ one thing: ``registry`` (durable records, ordering, watermark, leases, disk rete
 policy, rewrites), ``publish`` (ingest → verify → persist → register) and ``lagging`` (the
 lagging model). Leaves that import nothing above them: ``ingest``, ``persist``, ``buffers``,
 ``codec``, ``tiers``, ``leases``, ``records``.
+
+May import torch, safetensors and the client's contract; nothing else of the service (it is
+the bottom layer: the model zone, the cluster and the publishing parts build on it).
 """
 
 from oldlogit_service.snapshots.leases import LeaseRecord

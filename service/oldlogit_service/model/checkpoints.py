@@ -31,7 +31,7 @@ from oldlogit.errors import WeightsMismatch
 from oldlogit.layout import WeightLayout, WeightSource
 
 if TYPE_CHECKING:
-    from oldlogit_service.model import LoadedModel
+    from oldlogit_service.model.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
 

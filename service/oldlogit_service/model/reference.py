@@ -20,9 +20,13 @@ import torch
 from torch import Tensor
 
 from oldlogit.parity import token_logprobs
-
-from .model import LoadedModel
-from .numerics import HEAD_CHUNK_ROWS, SamplingParams, head_chunk_bounds, processed_logprobs
+from oldlogit_service.model.loaded import LoadedModel
+from oldlogit_service.model.numerics import (
+    HEAD_CHUNK_ROWS,
+    SamplingParams,
+    head_chunk_bounds,
+    processed_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 

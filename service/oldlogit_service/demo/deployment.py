@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from oldlogit_service.model import LoadedModel, load_weights
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.loaded import LoadedModel
 from oldlogit_service.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)

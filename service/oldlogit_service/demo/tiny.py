@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from oldlogit_service.backends import auto_causal_lm
+from oldlogit_service.model.backends import auto_causal_lm
 
 __all__ = ["make_tiny_model_dir"]
 

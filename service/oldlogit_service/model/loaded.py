@@ -27,32 +27,24 @@ from oldlogit.layout import WeightLayout
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
 from oldlogit.parity.numerics import transformers_version
 from oldlogit.parity.skeleton import buffer_digests, reference_buffers
-from oldlogit_service.backends import (
-    CallableBackend,
+from oldlogit_service.model.backends import (
     ModelBackend,
     TransformersBackend,
-    params_on_meta,
 )
-from oldlogit_service.checkpoints import canonicalize_weights, layout_of, load_weights
-from oldlogit_service.tiny import make_tiny_model_dir
+from oldlogit_service.model.checkpoints import layout_of
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CallableBackend",
     "LoadedModel",
     "ModelBackend",
     "ParamSpec",
     "TransformersBackend",
     "UnsupportedModel",
-    "canonicalize_weights",
     "dtype_from_name",
     "dtype_name",
     "load_model",
-    "load_weights",
-    "make_tiny_model_dir",
     "model_from_config",
-    "params_on_meta",
     "resolve_device",
     "safetensors_dtype_name",
     "weight_layout_info",
@@ -202,7 +194,7 @@ class LoadedModel:
             # [1, C, H] → [1, C, V]
             rows = hidden.contiguous()[None]
             return head_logits(self.module, rows, weights=weights, lm_head_fp32=fp32)[0]
-        from oldlogit_service.numerics import head_logits_chunk
+        from oldlogit_service.model.numerics import head_logits_chunk
 
         head_weight, head_bias = self.head(weights)
         return head_logits_chunk(hidden, head_weight, head_bias, fp32)

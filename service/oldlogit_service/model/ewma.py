@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from oldlogit.errors import UnknownVersion, VersionEvicted
 from oldlogit.weights import weight_sha256
-from oldlogit_service.model import LoadedModel
+from oldlogit_service.model.loaded import LoadedModel
 
 if TYPE_CHECKING:
     from oldlogit_service.snapshots import SnapshotStore

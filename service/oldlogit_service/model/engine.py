@@ -39,10 +39,14 @@ from torch import Tensor
 from oldlogit.errors import InvalidRequest, OutOfMemory
 from oldlogit.parity.logprobs import row_logits
 from oldlogit.parity.trace import TraceStage, forward_trace
-
-from .backends import TransformersBackend
-from .model import LoadedModel
-from .numerics import HEAD_CHUNK_ROWS, SamplingParams, head_chunk_bounds, processed_logprobs
+from oldlogit_service.model.backends import TransformersBackend
+from oldlogit_service.model.loaded import LoadedModel
+from oldlogit_service.model.numerics import (
+    HEAD_CHUNK_ROWS,
+    SamplingParams,
+    head_chunk_bounds,
+    processed_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,8 @@ from typing import Any
 
 from oldlogit.errors import Conflict, OldLogitError, Unavailable, UnknownVersion, VersionEvicted
 from oldlogit.types import LeaseInfo, VersionInfo
-from oldlogit_service.config import is_wildcard
-from oldlogit_service.control import check_ttl, lease_info, version_info
-from oldlogit_service.redis_adapters import (
+from oldlogit_service.cluster.control import check_ttl, lease_info, version_info
+from oldlogit_service.cluster.redis_adapters import (
     EventListener,
     RedisLeases,
     RedisMembership,
@@ -31,6 +30,7 @@ from oldlogit_service.redis_adapters import (
     check_eviction_policy,
     connect,
 )
+from oldlogit_service.config import is_wildcard
 from oldlogit_service.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from oldlogit.types import LeaseInfo, VersionInfo
 from oldlogit_service.snapshots import LeaseRecord, SnapshotStore, VersionRecord
 
 if TYPE_CHECKING:
-    from oldlogit_service.redis_adapters import RedisLease
+    from oldlogit_service.cluster.redis_adapters import RedisLease
 
 __all__ = ["Control", "LocalControl", "check_ttl", "lease_info", "version_info"]
 

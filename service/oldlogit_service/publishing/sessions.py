@@ -32,7 +32,7 @@ from oldlogit.errors import (
     WeightsMismatch,
 )
 from oldlogit.types import PublishResult, SessionInfo
-from oldlogit_service.session_parts import check_part, merge_delta
+from oldlogit_service.publishing.parts import check_part, merge_delta
 
 logger = logging.getLogger(__name__)
 

@@ -265,7 +265,8 @@ class Run:
         )
 
     def auth(self) -> str:
-        from oldlogit import Client, errors
+        from oldlogit import Client
+        from oldlogit.contract import errors
 
         s = self.stack
         refused = 0

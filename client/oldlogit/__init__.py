@@ -4,7 +4,7 @@ Importing this package does nothing but define names: no torch, no logging set-u
 """
 
 from oldlogit.client import AsyncClient, AsyncLease, Client, Lease
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     BadSampling,
     Conflict,
     DeadlineExceeded,
@@ -30,7 +30,7 @@ from oldlogit.errors import (
     VersionNotIncreasing,
     WeightsMismatch,
 )
-from oldlogit.types import (
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,

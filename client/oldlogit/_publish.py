@@ -1,23 +1,19 @@
-"""Publish payloads: a state dict, a safetensors file or a shard directory as one stream.
+"""Publish streams on the trainer side: a state dict as one safetensors stream, deltas, progress.
 
 In: ``{name: tensor | ndarray}`` or a path, and the service's ``WeightLayout`` when known; out:
-a ``SafetensorsStream`` that yields the bytes of one safetensors file under the canonical names
-(``oldlogit._sources``) in chunks (re-iterable, for retries), its size, and the weight sha256.
-Never builds the file in memory: tensors are read one at a time (off-CPU tensors copied one at a
-time), shards are read in chunks and merged by rewriting only the header. Delta publishing
+a ``SafetensorsStream`` (the contract's writer, ``oldlogit.contract.safetensors``, plus a
+constructor from a state dict under canonical names, ``oldlogit._sources``). Delta publishing
 keeps a ``WeightsCopy`` of the last published weights (CPU, raw bits) and streams only the
-changed elements (``oldlogit._delta`` format). Also the progress bar and the async adaptor.
+changed elements (``oldlogit.contract.delta`` format). Also the progress bar and the adaptor
+that pulls a blocking chunk iterator from async code. Never imports torch itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import os
-import struct
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -25,96 +21,21 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from oldlogit._delta import FORMAT, IDX, VAL, bits_view, diff_positions, encode_positions
-from oldlogit._sources import TensorSource, file_sources, hash_sources, state_dict_sources
-from oldlogit.layout import WeightLayout
-from oldlogit.weights import DTYPE_ITEMSIZE, WeightHasher
+from oldlogit._sources import state_dict_sources
+from oldlogit.contract import safetensors
+from oldlogit.contract.delta import FORMAT, IDX, VAL, bits_view, diff_positions, encode_positions
+from oldlogit.contract.layout import WeightLayout
+from oldlogit.contract.safetensors import TensorSource
+from oldlogit.contract.weights import DTYPE_ITEMSIZE, WeightHasher
 
-__all__ = [
-    "CHUNK_BYTES",
-    "SafetensorsStream",
-    "WeightsCopy",
-    "aiter_in_thread",
-    "coalesce",
-    "progress_bar",
-]
+__all__ = ["SafetensorsStream", "WeightsCopy", "aiter_in_thread", "progress_bar"]
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 * 1024 * 1024
 
-
-def coalesce(pieces: Iterable[bytes | memoryview], size: int) -> Iterator[bytes]:
-    """Re-cut a stream of byte pieces into chunks of exactly ``size`` (the last may be short).
-
-    Small tensors (biases, norms) are packed together instead of each costing a message.
-    """
-    buf = bytearray()
-    for piece in pieces:
-        mv = memoryview(piece).cast("B")
-        while len(mv):
-            if not buf and len(mv) >= size:  # whole chunks straight from the source
-                yield bytes(mv[:size])
-                mv = mv[size:]
-                continue
-            take = min(size - len(buf), len(mv))
-            buf += mv[:take]
-            mv = mv[take:]
-            if len(buf) == size:
-                yield bytes(buf)
-                buf = bytearray()
-    if buf:
-        yield bytes(buf)
-
-
-class SafetensorsStream:
-    """The bytes of one safetensors file, produced lazily; iterate ``chunks()`` once per attempt."""
-
-    def __init__(
-        self,
-        tensors: list[TensorSource],
-        hasher: Callable[[Any], str] | None = None,
-        files: list[Path] | None = None,
-        metadata: Mapping[str, str] | None = None,
-    ) -> None:
-        tensors = sorted(tensors, key=lambda t: t.name)
-        # "format": "pt" is what transformers checks before loading a safetensors file.
-        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        offset = 0
-        for t in tensors:
-            header[t.name] = {
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "data_offsets": [offset, offset + t.nbytes],
-            }
-            offset += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format pads the header so the data is 8-aligned
-        self.header = struct.pack("<Q", len(raw)) + raw
-        self.total_bytes = len(self.header) + offset
-        self.data_bytes = offset
-        self._tensors = tensors
-        self._hasher = hasher
-        self._files = files or []
-
-    def sha256(self, bar: Any = None) -> str:
-        """The weight hash (``oldlogit.weights.weight_sha256``) of the tensors as streamed:
-        reads every tensor once (``bar``: a progress bar over the bytes read)."""
-        if self._hasher is not None:
-            return self._hasher(bar)
-        return hash_sources(self._tensors, self._files, bar)
-
-    def chunks(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
-        size = chunk_bytes or CHUNK_BYTES
-        with contextlib.ExitStack() as stack:
-            handles = {p: stack.enter_context(open(p, "rb")) for p in self._files}
-
-            def pieces() -> Iterator[bytes | memoryview]:
-                yield self.header
-                for t in self._tensors:
-                    yield from t.read(handles)
-
-            yield from coalesce(pieces(), size)
+class SafetensorsStream(safetensors.SafetensorsStream):
+    """The contract's stream writer, built from a trainer's state dict too (the service never
+    holds one)."""
 
     @classmethod
     def from_state_dict(
@@ -130,20 +51,8 @@ class SafetensorsStream:
         rank's share."""
         return cls(state_dict_sources(weights, layout, cast=cast, partial=partial))
 
-    @classmethod
-    def from_path(
-        cls,
-        path: str | os.PathLike[str],
-        layout: WeightLayout | None = None,
-        *,
-        cast: bool = False,
-    ) -> SafetensorsStream:
-        """A safetensors file, or a directory of shards merged into one file."""
-        sources, files = file_sources(path, layout, cast=cast)
-        return cls(sources, files=files)
 
-
-def _array_tensor(name: str, dtype: str, arr: npt.NDArray[Any]) -> TensorSource:
+def _array_source(name: str, dtype: str, arr: npt.NDArray[Any]) -> TensorSource:
     def read(_: Mapping[Path, BinaryIO], a: npt.NDArray[Any] = arr) -> list[memoryview]:
         if a.size == 0:  # a memoryview of an empty array cannot be cast to bytes
             return [memoryview(b"")]
@@ -178,9 +87,9 @@ class WeightsCopy:
         else:
             stream = SafetensorsStream.from_path(weights, layout, cast=cast)
         out: dict[str, tuple[str, tuple[int, ...], npt.NDArray[Any]]] = {}
-        handles = {p: open(p, "rb") for p in stream._files}  # noqa: SIM115 - closed below
+        handles = {p: open(p, "rb") for p in stream.files}  # noqa: SIM115 - closed below
         try:
-            for t in stream._tensors:
+            for t in stream.tensors:
                 raw = np.empty(t.nbytes, dtype=np.uint8)
                 pos = 0
                 for chunk in t.read(handles):
@@ -209,7 +118,7 @@ class WeightsCopy:
 
     def full_stream(self) -> SafetensorsStream:
         tensors = [
-            _array_tensor(name, dt, bits.reshape(shape))
+            _array_source(name, dt, bits.reshape(shape))
             for name, (dt, shape, bits) in self.tensors.items()
         ]
         return SafetensorsStream(tensors, lambda _bar: self.sha256)
@@ -217,16 +126,16 @@ class WeightsCopy:
     def delta_stream(
         self, parent: WeightsCopy, metadata: Mapping[str, str] | None = None
     ) -> SafetensorsStream:
-        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit._delta``.
+        """Only the elements that differ (bitwise) from ``parent``: see ``oldlogit.contract.delta``.
         ``metadata`` replaces the header's (a session part's: ``format`` and ``owned``)."""
         tensors: list[TensorSource] = []
         for name, (dt, _, bits) in self.tensors.items():
             pos = diff_positions(parent.tensors[name][2], bits)
             if pos.size == bits.size and bits.size:
-                tensors.append(_array_tensor(name + VAL, dt, bits))
+                tensors.append(_array_source(name + VAL, dt, bits))
             elif pos.size:
-                tensors.append(_array_tensor(name + VAL, dt, bits[pos]))
-                tensors.append(_array_tensor(name + IDX, "U8", encode_positions(pos)))
+                tensors.append(_array_source(name + VAL, dt, bits[pos]))
+                tensors.append(_array_source(name + IDX, "U8", encode_positions(pos)))
         meta = {
             "format": FORMAT,
             "parent": str(parent.policy_version),

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from oldlogit.errors import DeadlineExceeded, OldLogitError, Overloaded, Unavailable
+from oldlogit.contract.errors import DeadlineExceeded, OldLogitError, Overloaded, Unavailable
 
 __all__ = ["ReplicaSet", "RetryPolicy", "call_with_retries"]
 

@@ -15,13 +15,13 @@ import json
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from oldlogit.errors import InvalidRequest
-from oldlogit.types import OpenSession, SessionInfo
+from oldlogit.contract.errors import InvalidRequest
+from oldlogit.contract.types import OpenSession, SessionInfo
 
 if TYPE_CHECKING:
     from oldlogit._publish import WeightsCopy
     from oldlogit._transport import Transport
-    from oldlogit.layout import WeightLayout
+    from oldlogit.contract.layout import WeightLayout
 
 __all__ = ["SessionsMixin"]
 
@@ -149,8 +149,8 @@ class SessionsMixin:
         part is a delta against it; the session must be a delta session. Returns the session's
         state and this share's copy for the next delta (None for a full part).
         """
-        from oldlogit._delta import FORMAT
         from oldlogit._publish import SafetensorsStream, WeightsCopy
+        from oldlogit.contract.delta import FORMAT
 
         layout = await self.weight_layout()
         if parent_copy is None:

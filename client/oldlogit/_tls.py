@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldlogit.errors import InvalidRequest, TlsError
+from oldlogit.contract.errors import InvalidRequest, TlsError
 
 __all__ = ["ClientTls", "diagnose", "tls_error_from_grpc", "tls_error_from_ssl"]
 

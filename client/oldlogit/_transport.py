@@ -2,8 +2,8 @@
 
 In: a replica URL (``http(s)://host:port[/prefix]``, ``grpc(s)://host:port``); out: an object
 with one coroutine per service operation, speaking contract types. Transports translate every
-foreign failure into the ``oldlogit.errors`` tree (connection failures into ``Unavailable``)
-and never retry: retries and failover live in ``oldlogit._retry``.
+foreign failure into the contract's error tree (connection failures into ``Unavailable``) and
+never retry: retries and failover live in ``oldlogit._retry``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from oldlogit._tls import ClientTls
-from oldlogit.convert import PublishHeader
-from oldlogit.errors import InvalidRequest
-from oldlogit.types import (
+from oldlogit.contract.convert import PublishHeader
+from oldlogit.contract.errors import InvalidRequest
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,

@@ -1,9 +1,10 @@
-"""The gRPC transport: one ``grpc.aio`` channel per replica, speaking ``oldlogit.convert``.
+"""The gRPC transport: one ``grpc.aio`` channel per replica, speaking the contract's ``convert``.
 
 In: contract types; out: contract types, or the typed error rebuilt from the status and the
 ``oldlogit-error-bin`` trailing metadata (``convert.error_from_grpc``), translated here at one
 boundary; a failed TLS handshake becomes ``TlsError`` (``oldlogit._tls``), not ``Unavailable``.
-Channel options (message sizes, keepalive) are shared with the server as constants.
+Channel options (message sizes, keepalive) are the contract's, shared with the server
+(``oldlogit.contract.grpc_options``).
 No retries here: gRPC's configurable retries stay off so ``oldlogit._retry`` is the only one.
 """
 
@@ -17,12 +18,13 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
-from oldlogit import convert
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
 from oldlogit._tls import GRPC_OPENER, ClientTls, diagnose, tls_error_from_grpc
-from oldlogit.convert import PublishHeader
-from oldlogit.types import (
+from oldlogit.contract import convert
+from oldlogit.contract.convert import PublishHeader
+from oldlogit.contract.grpc_options import CHANNEL_OPTIONS
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,
@@ -35,36 +37,11 @@ from oldlogit.types import (
     VersionInfo,
 )
 
-__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "SERVER_OPTIONS", "GrpcTransport"]
+__all__ = ["GrpcTransport"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Logprobs of large batches and publish chunks are far above gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Ping during calls so a dead peer (a killed replica) is noticed in ~80 s instead of the
-    # OS TCP timeout; only while calls are active, as servers refuse idle pings by default.
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 0),
-    ("grpc.http2.max_pings_without_data", 0),  # a long forward sends no data for a while
-    ("grpc.enable_retries", 0),  # one retry mechanism: oldlogit._retry
-)
-
-# For the server (the lead's grpc.aio server): same sizes, and accept the client's pings.
-SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
-    ("grpc.http2.max_ping_strikes", 0),
-)
 
 PUBLISH_CHUNK_BYTES = 1024 * 1024  # per message: well under any server's receive limit
 

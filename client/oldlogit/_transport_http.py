@@ -1,6 +1,6 @@
-"""The HTTP transport: one ``httpx.AsyncClient`` per replica, speaking ``oldlogit.wire``.
+"""The HTTP transport: one ``httpx.AsyncClient`` per replica, speaking the contract's ``wire``.
 
-In: contract types; out: contract types, or an ``oldlogit.errors`` error rebuilt from the
+In: contract types; out: contract types, or an ``oldlogit.contract.errors`` error rebuilt from the
 response (``wire.decode_error``). httpx failures are translated here, at one boundary:
 connection failures become ``Unavailable`` (retryable), read/write timeouts
 ``DeadlineExceeded``, failed TLS handshakes ``TlsError`` (not retried). No retries here.
@@ -18,11 +18,11 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel
 
-from oldlogit import wire
 from oldlogit._tls import HTTP_OPENER, ClientTls, diagnose, tls_error_from_ssl
-from oldlogit.convert import PublishHeader
-from oldlogit.errors import DeadlineExceeded, InternalError, OldLogitError, Unavailable
-from oldlogit.types import (
+from oldlogit.contract import wire
+from oldlogit.contract.convert import PublishHeader
+from oldlogit.contract.errors import DeadlineExceeded, InternalError, OldLogitError, Unavailable
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,
@@ -48,7 +48,7 @@ _CLOSED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class HttpTransport:
-    """``POST /v1/logprobs`` and friends on one replica (see ``oldlogit.wire`` for the bodies)."""
+    """``POST /v1/logprobs`` and friends on one replica (``oldlogit.contract.wire``: the bodies)."""
 
     def __init__(
         self,

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from pydantic import ValidationError
 
-from oldlogit import wire
 from oldlogit._loop_thread import LoopThread
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
 from oldlogit._sessions import SessionsMixin
 from oldlogit._tls import ClientTls
 from oldlogit._transport import TLS_SCHEMES, Transport, check_url, open_transport
-from oldlogit.convert import PublishHeader
-from oldlogit.errors import (
+from oldlogit.contract import wire
+from oldlogit.contract.convert import PublishHeader
+from oldlogit.contract.errors import (
     Forbidden,
     InvalidRequest,
     OldLogitError,
@@ -39,7 +39,7 @@ from oldlogit.errors import (
     UnknownLease,
     WeightsMismatch,
 )
-from oldlogit.types import (
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,
@@ -54,8 +54,8 @@ from oldlogit.types import (
 
 if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
     from oldlogit._publish import SafetensorsStream, WeightsCopy
+    from oldlogit.contract.layout import WeightLayout
     from oldlogit.integrations.padded import PaddedLogprobs
-    from oldlogit.layout import WeightLayout
 
 __all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
 
@@ -397,10 +397,10 @@ class AsyncClient(SessionsMixin):
         without it another dtype is refused, naming the tensor. DTensors of a one-rank mesh
         are gathered; sharded ones need ``oldlogit.integrations.publish_sharded``.
 
-        ``sha256`` defaults to the weight hash computed here (``oldlogit.weights``) for uploads;
-        the service verifies it. By path, the client never reads the files: without ``sha256``
-        the service computes the hash and returns it in the result (``delta=True`` there means
-        the path holds a delta file). The call's deadline is the client's
+        ``sha256`` defaults to the weight hash computed here (``oldlogit.contract.weights``) for
+        uploads; the service verifies it. By path, the client never reads the files: without
+        ``sha256`` the service computes the hash and returns it in the result (``delta=True``
+        there means the path holds a delta file). The call's deadline is the client's
         ``publish_timeout_s`` (default: none, uploads take what they take).
 
         ``delta=True`` sends only the elements that changed since the last version this client
@@ -410,7 +410,7 @@ class AsyncClient(SessionsMixin):
         If the service no longer has the parent it raises ``ParentMissing``; with
         ``fallback_full=True`` the client then uploads the full weights instead.
         """
-        # Reads weights (oldlogit.weights): not needed to import the client.
+        # Reads weights (oldlogit.contract.weights): not needed to import the client.
         from oldlogit._publish import SafetensorsStream, WeightsCopy
 
         if by_path:

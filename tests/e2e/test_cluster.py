@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit import Client, errors
+from oldlogit import Client
+from oldlogit.contract import errors
 from oldlogit_service.demo.tiny import make_tiny_model_dir
 from oldlogit_service.model.checkpoints import load_weights
 from oldlogit_service.model.loaded import load_model

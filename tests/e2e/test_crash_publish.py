@@ -37,7 +37,7 @@ def _weights_for(base: dict[str, torch.Tensor], version: int) -> dict[str, torch
 
 
 def run_kills(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
-    from oldlogit.weights import weight_sha256
+    from oldlogit.contract.weights import weight_sha256
 
     rng = random.Random(seed)
     model_dir = make_tiny_model_dir(

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from oldlogit import Client, errors
+from oldlogit import Client
+from oldlogit.contract import errors
 from oldlogit_service.config import Settings
 from oldlogit_service.runtime import Runtime
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from oldlogit import Client
-from oldlogit.errors import OldLogitError
+from oldlogit.contract.errors import OldLogitError
 
 try:
     import promql_parser as promql

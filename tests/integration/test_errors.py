@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit import Client, Sequence, errors
+from oldlogit import Client, Sequence
+from oldlogit.contract import errors
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from oldlogit import errors
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
+from oldlogit.contract import errors
 
 from .conftest import WRITE_TOKEN, Served, start_served
 

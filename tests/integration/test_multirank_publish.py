@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from oldlogit import Client, UnknownVersion
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.config import Settings
 from oldlogit_service.model.checkpoints import canonicalize_weights
 from oldlogit_service.model.loaded import load_model

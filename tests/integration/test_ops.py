@@ -15,7 +15,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from oldlogit import Client, errors
+from oldlogit import Client
+from oldlogit.contract import errors
 
 from .conftest import Served, start_served
 

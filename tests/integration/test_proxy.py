@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from oldlogit import Client, Sequence, SequenceResult
-from oldlogit.errors import InvalidRequest, UnknownVersion, VersionEvicted
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.errors import InvalidRequest, UnknownVersion, VersionEvicted
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.demo.deployment import demo_versions
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs

@@ -37,7 +37,7 @@ def _perturbed(served: Served, seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("transport", "version"), [("http", 20), ("grpc", 21)])
 def test_upload_then_serve(fresh: Served, transport: str, version: int) -> None:
-    from oldlogit.weights import weight_sha256
+    from oldlogit.contract.weights import weight_sha256
 
     w = _perturbed(fresh, version)
     with Client(fresh.url(transport), token=WRITE_TOKEN) as c:
@@ -109,8 +109,8 @@ def test_an_upload_refused_mid_stream_reports_the_reason_over_grpc(
     import asyncio
 
     from oldlogit._transport import open_transport
-    from oldlogit.convert import PublishHeader
-    from oldlogit.errors import NotFound, Unauthorized
+    from oldlogit.contract.convert import PublishHeader
+    from oldlogit.contract.errors import NotFound, Unauthorized
 
     async def chunks() -> AsyncIterator[bytes]:
         for _ in range(8):

@@ -19,8 +19,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from oldlogit import Client, WeightsMismatch
-from oldlogit.layout import strip_wrappers
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.layout import strip_wrappers
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.config import Settings
 from oldlogit_service.model.checkpoints import canonicalize_weights
 from oldlogit_service.model.loaded import load_model

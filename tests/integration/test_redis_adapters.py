@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from oldlogit import errors
+from oldlogit.contract import errors
 from oldlogit_service.cluster.redis_adapters import (
     EventListener,
     RedisLeases,

@@ -20,7 +20,7 @@ import torch
 
 from oldlogit import Client, Conflict, NotFound, UnknownVersion, WeightsMismatch
 from oldlogit._publish import SafetensorsStream, WeightsCopy
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs
 

@@ -22,7 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from oldlogit import Client, errors
+from oldlogit import Client
+from oldlogit.contract import errors
 from oldlogit_service.server import ServerThread
 
 from ..tls_certs import CertAuthority, Pair

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from oldlogit import Client, Trace, errors
+from oldlogit import Client, Trace
+from oldlogit.contract import errors
 from oldlogit.parity import SamplingParams, trainer_numerics
 from oldlogit.parity.trace import MAX_TRACE_TOKENS, TraceStage, first_divergence, forward_trace
 

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from oldlogit import Client, Sequence
+from oldlogit.contract.weights import weight_sha256
 from oldlogit.parity import token_logprobs, trainer_numerics
-from oldlogit.weights import weight_sha256
 from tests.integration.conftest import Served, start_served
 
 COMBOS = [(d, h) for d in ("float32", "bfloat16") for h in (False, True)]

@@ -21,7 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from oldlogit import Client, errors
+from oldlogit import Client
+from oldlogit.contract import errors
 from oldlogit.parity import ParityBroken, trainer_numerics, verify
 from oldlogit.parity.numerics import NumericsPatch
 from tests.integration.conftest import Served, start_served

@@ -21,15 +21,16 @@ import numpy as np
 import pytest
 
 import oldlogit.client as client_mod
-from oldlogit import convert, errors, wire
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
-from oldlogit._publish import SafetensorsStream, coalesce
+from oldlogit._publish import SafetensorsStream
 from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
 from oldlogit._transport_http import HttpTransport
 from oldlogit.client import AsyncClient, Client
-from oldlogit.convert import PublishHeader
-from oldlogit.types import (
+from oldlogit.contract import convert, errors, wire
+from oldlogit.contract.convert import PublishHeader
+from oldlogit.contract.safetensors import coalesce
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,
@@ -42,7 +43,7 @@ from oldlogit.types import (
     TraceStageInfo,
     VersionInfo,
 )
-from oldlogit.weights import safetensors_sha256, weight_sha256
+from oldlogit.contract.weights import safetensors_sha256, weight_sha256
 
 # ---------------------------------------------------------------- retry policy (pure logic)
 
@@ -559,7 +560,7 @@ def test_publish_by_path_never_reads_the_files(
 def test_publish_restarts_the_stream_after_a_dropped_connection(
     fakes: dict[str, FakeTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import oldlogit._publish as publish_mod
+    import oldlogit.contract.safetensors as publish_mod
 
     monkeypatch.setattr(publish_mod, "CHUNK_BYTES", 128)
     sd = _state_dict()
@@ -808,7 +809,7 @@ async def test_grpc_unreachable_replica_fails_over(grpc_server: Any) -> None:
 
 def test_importing_the_client_does_not_import_torch() -> None:
     code = (
-        "import sys, oldlogit, oldlogit.client, oldlogit.wire, oldlogit.convert, "
+        "import sys, oldlogit, oldlogit.client, oldlogit.contract.wire, oldlogit.contract.convert, "
         "oldlogit._publish, oldlogit._transport_http, oldlogit._transport_grpc; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit._delta import (
+from oldlogit._publish import WeightsCopy
+from oldlogit.contract.delta import (
     FORMAT,
     bits_view,
     decode_positions,
@@ -19,9 +20,8 @@ from oldlogit._delta import (
     encode_positions,
     split_name,
 )
-from oldlogit._publish import WeightsCopy
-from oldlogit.errors import InvalidRequest, WeightsMismatch
-from oldlogit.weights import TensorEntry, read_safetensors_header
+from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
+from oldlogit.contract.weights import TensorEntry, read_safetensors_header
 from oldlogit_service.snapshots import buffers, codec, persist
 
 PATTERNS = {"none": 0.0, "sparse": 0.01, "dense": 0.6, "all": 1.0}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from oldlogit.contract.errors import InvalidRequest
 from oldlogit.correction import (
     approx_loglinear_proximal,
     is_weights,
@@ -23,7 +24,6 @@ from oldlogit.correction import (
     token_divergence,
     veto_mask,
 )
-from oldlogit.errors import InvalidRequest
 
 L2 = math.log(2.0)
 INF = math.inf

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from oldlogit.contract.errors import InvalidRequest
 from oldlogit.correction import (
     DISCREPANCY_PREFIX,
     STALENESS_PREFIX,
@@ -22,7 +23,6 @@ from oldlogit.correction import (
     term_metrics,
     two_term_metrics,
 )
-from oldlogit.errors import InvalidRequest
 
 L2 = math.log(2.0)
 INF = math.inf

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit.errors import OutOfMemory
+from oldlogit.contract.errors import OutOfMemory
 from oldlogit_service.model.engine import Engine, Job, measure_fast_mode_deviation
 from oldlogit_service.model.numerics import HEAD_CHUNK_ROWS, SamplingParams
 from oldlogit_service.model.reference import reference_logprobs

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from oldlogit.errors import WeightsMismatch
-from oldlogit.layout import WeightLayout, WeightSource, strip_wrappers
+from oldlogit.contract.errors import WeightsMismatch
+from oldlogit.contract.layout import WeightLayout, WeightSource, strip_wrappers
 
 SPECS = {
     "model.embed_tokens.weight": ("BF16", (10, 4)),

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from oldlogit.errors import InvalidRequest, WeightsMismatch
+from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
 from oldlogit_service.demo.tiny import make_tiny_model_dir
 from oldlogit_service.model.backends import (
     CallableBackend,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import __version__ as protobuf_version
 
-from oldlogit import types
+from oldlogit.contract import types
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO = REPO / "proto" / "oldlogit" / "v1" / "oldlogit.proto"

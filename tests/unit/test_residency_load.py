@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from oldlogit.errors import Overloaded
+from oldlogit.contract.errors import Overloaded
 from oldlogit_service.snapshots.buffers import BufferPool
 from tests.unit.test_store import SNAP, assert_served, make_sd, open_store
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit.types import LogprobsRequest, Sampling, Sequence
+from oldlogit.contract.types import LogprobsRequest, Sampling, Sequence
 from oldlogit_service.config import Settings
 from oldlogit_service.demo.deployment import demo_versions
 from oldlogit_service.model.numerics import SamplingParams

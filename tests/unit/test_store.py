@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     Conflict,
     InvalidRequest,
     OutOfMemory,
@@ -29,7 +29,7 @@ from oldlogit.errors import (
     VersionNotIncreasing,
     WeightsMismatch,
 )
-from oldlogit.weights import read_safetensors_header, weight_sha256
+from oldlogit.contract.weights import read_safetensors_header, weight_sha256
 from oldlogit_service.snapshots import SnapshotStore, ingest, persist
 
 SPECS: dict[str, tuple[str, tuple[int, ...]]] = {

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from oldlogit.errors import VersionEvicted
+from oldlogit.contract.errors import VersionEvicted
 from oldlogit_service.snapshots import SnapshotStore, ingest
 from oldlogit_service.snapshots.tiers import (
     DiskCandidate,

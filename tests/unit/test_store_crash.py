@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.snapshots import SnapshotStore
 
 SHAPE = (256, 1024)  # 4 tensors x 1 MiB: a publish takes long enough to be caught mid-way

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oldlogit._publish import WeightsCopy
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     InvalidRequest,
     ParentMissing,
     UnknownVersion,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     BadSampling,
     InvalidRequest,
     LimitExceeded,
@@ -13,7 +13,7 @@ from oldlogit.errors import (
     SequenceTooLong,
     TokenOutOfVocab,
 )
-from oldlogit.types import LogprobsRequest, Sampling, Sequence
+from oldlogit.contract.types import LogprobsRequest, Sampling, Sequence
 from oldlogit_service.validate import Limits, plan_request
 
 LIMITS = Limits(

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from oldlogit.errors import InvalidRequest
-from oldlogit.weights import (
+from oldlogit.contract.errors import InvalidRequest
+from oldlogit.contract.weights import (
     WeightHasher,
     dtype_name,
     read_safetensors_header,
@@ -203,7 +203,7 @@ def test_malformed_headers_are_refused(
 
 def test_client_module_does_not_import_torch() -> None:
     code = (
-        "import sys, numpy as np, oldlogit.weights as w;"
+        "import sys, numpy as np, oldlogit.contract.weights as w;"
         "w.weight_sha256({'a': np.zeros(2, np.float32)});"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

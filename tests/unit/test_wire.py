@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oldlogit import convert, errors, wire
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
-from oldlogit.types import (
+from oldlogit.contract import convert, errors, wire
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,

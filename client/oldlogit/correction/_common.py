@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from oldlogit.errors import InvalidRequest
+from oldlogit.contract.errors import InvalidRequest
 
 if TYPE_CHECKING:
     import torch

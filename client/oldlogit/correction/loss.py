@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from oldlogit.contract.errors import InvalidRequest
 from oldlogit.correction._common import (
     SAFETY_BOUND,
     as_float,
@@ -22,7 +23,6 @@ from oldlogit.correction._common import (
     masked_mean,
     masked_sum,
 )
-from oldlogit.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from torch import Tensor

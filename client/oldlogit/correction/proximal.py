@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from oldlogit.contract.errors import InvalidRequest
 from oldlogit.correction._common import as_float, check_same_shape
-from oldlogit.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -12,6 +12,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Literal
 
+from oldlogit.contract.errors import InvalidRequest
 from oldlogit.correction._common import (
     SAFETY_BOUND,
     as_mask,
@@ -20,7 +21,6 @@ from oldlogit.correction._common import (
     masked_mean,
     masked_sum,
 )
-from oldlogit.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -31,13 +31,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from oldlogit._delta import FORMAT, bits_view
-from oldlogit._publish import SafetensorsStream, WeightsCopy, coalesce
-from oldlogit._sources import TensorSource, check_dtype, is_dtensor
-from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, Unavailable
-from oldlogit.layout import WeightLayout
-from oldlogit.types import PublishResult
-from oldlogit.weights import DTYPE_ITEMSIZE, WeightHasher, dtype_name, tensor_raw_bytes, torch_dtype
+from oldlogit._publish import SafetensorsStream, WeightsCopy
+from oldlogit._sources import is_dtensor
+from oldlogit.contract.delta import FORMAT, bits_view
+from oldlogit.contract.errors import Conflict, InvalidRequest, OldLogitError, Unavailable
+from oldlogit.contract.layout import WeightLayout
+from oldlogit.contract.safetensors import TensorSource, check_dtype, coalesce
+from oldlogit.contract.types import PublishResult
+from oldlogit.contract.weights import (
+    DTYPE_ITEMSIZE,
+    WeightHasher,
+    dtype_name,
+    tensor_raw_bytes,
+    torch_dtype,
+)
 
 __all__ = ["ShardedPublisher", "publish_sharded"]
 

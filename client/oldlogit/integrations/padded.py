@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from oldlogit.errors import InvalidRequest
-from oldlogit.types import NOT_SCORED, Sequence
+from oldlogit.contract.errors import InvalidRequest
+from oldlogit.contract.types import NOT_SCORED, Sequence
 
 __all__ = ["PaddedLogprobs", "padded_requests", "place_results"]
 

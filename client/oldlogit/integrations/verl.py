@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from oldlogit.errors import InvalidRequest
+from oldlogit.contract.errors import InvalidRequest
 
 __all__ = ["VerlEnginePatch", "compute_old_log_prob", "patch_verl_engine"]
 

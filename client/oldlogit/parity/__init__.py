@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from oldlogit._numerics import (
+from oldlogit.contract.numerics import (
     BUFFER_CONVENTION,
     DEFAULT_TILE_ROWS,
     PROFILES,

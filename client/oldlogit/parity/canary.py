@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from oldlogit._numerics import SamplingParams
-from oldlogit._sources import hash_sources, is_dtensor, state_dict_sources
+from oldlogit._sources import is_dtensor, state_dict_sources
+from oldlogit.contract.numerics import SamplingParams
+from oldlogit.contract.safetensors import hash_sources
 
 from .logprobs import token_logprobs
 from .numerics import active_patch, trainer_numerics, unwrap_model
@@ -149,8 +150,8 @@ def verify(
     (parameter ``version``); a setup that cannot be bitwise raises ``NumericsMismatch`` or
     ``InvariantNumericsError`` naming the cause, as ``trainer_numerics`` does.
     """
-    from oldlogit.errors import WeightsMismatch
-    from oldlogit.types import Sequence as WireSequence
+    from oldlogit.contract.errors import WeightsMismatch
+    from oldlogit.contract.types import Sequence as WireSequence
 
     core = unwrap_model(model)
     if not callable(getattr(core, "get_output_embeddings", None)):

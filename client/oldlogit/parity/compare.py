@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from oldlogit._numerics import NumericsMismatch
+from oldlogit.contract.numerics import NumericsMismatch
 
 from .logprobs import token_logprobs
 from .numerics import local_spec, trainer_numerics, unwrap_model
@@ -114,8 +114,8 @@ def compare(
     model runs with the service's numerics (``like=`` its ``/v1/info``); a dtype or device kind
     the two sides do not share is refused with ``NumericsMismatch``.
     """
-    from oldlogit.types import Sequence as WireSequence
-    from oldlogit.weights import weight_sha256
+    from oldlogit.contract.types import Sequence as WireSequence
+    from oldlogit.contract.weights import weight_sha256
 
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from oldlogit._numerics import SamplingParams
+from oldlogit.contract.numerics import SamplingParams
 
 from .attention import plan_segments
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model

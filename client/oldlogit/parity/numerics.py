@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from oldlogit._numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
+from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 
 from . import attention
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from oldlogit._numerics import NumericsMismatch
+from oldlogit.contract.numerics import NumericsMismatch
 
 __all__ = [
     "ComputeDtype",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from oldlogit._numerics import BUFFER_CONVENTION
+from oldlogit.contract.numerics import BUFFER_CONVENTION
 
 __all__ = [
     "BUFFER_CONVENTION",

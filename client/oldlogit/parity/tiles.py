@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from oldlogit._numerics import DEFAULT_TILE_ROWS
+from oldlogit.contract.numerics import DEFAULT_TILE_ROWS
 
 __all__ = [
     "CHUNK_ROWS",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from oldlogit._numerics import SamplingParams
+from oldlogit.contract.numerics import SamplingParams
 
 from .logprobs import _call, processed_logprobs
 from .numerics import unwrap_model

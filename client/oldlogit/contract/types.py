@@ -2,9 +2,9 @@
 
 Arrays are numpy (token ids int64, logprobs float32). A ``SequenceResult`` holds the full-length
 array (NaN where not scored, always at position 0); on the wire only the scored values travel
-(see ``scored_mask``), and ``oldlogit.wire`` / the proto converters put them back in place.
+(see ``scored_mask``), and ``wire`` / the proto converters (``convert``) put them back in place.
 These types check only shapes and types; the service's ``validate`` stage checks meaning and
-raises errors from ``oldlogit.errors`` that name the parameter.
+raises errors from ``errors`` that name the parameter.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
-from oldlogit._numerics import NumericsSpec
-from oldlogit.layout import WeightLayout, WeightSource
+from oldlogit.contract.layout import WeightLayout, WeightSource
+from oldlogit.contract.numerics import NumericsSpec
 
 __all__ = [
     "FloatArray",
@@ -339,7 +339,7 @@ class TensorInfo(_Model):
 
 
 class SourceInfo(_Model):
-    """Where a hub checkpoint keeps a canonical weight (``oldlogit.layout.WeightSource``)."""
+    """Where a hub checkpoint keeps a canonical weight (``layout.WeightSource``)."""
 
     templates: list[str] = Field(default_factory=list)
     count: int = 1
@@ -385,7 +385,7 @@ class Info(_Model):
     ignored_weights: list[str] = Field(default_factory=list)
 
     def weight_layout(self) -> WeightLayout:
-        """The model's ``oldlogit.layout.WeightLayout`` (empty specs on an older server)."""
+        """The model's ``layout.WeightLayout`` (empty specs on an older server)."""
         return WeightLayout(
             specs={n: (t.dtype, tuple(t.shape)) for n, t in self.weight_specs.items()},
             tied=dict(self.tied_weights),

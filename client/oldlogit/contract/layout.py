@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from oldlogit.errors import WeightsMismatch
+from oldlogit.contract.errors import WeightsMismatch
 
 __all__ = [
     "WRAPPER_PREFIXES",
@@ -249,7 +249,7 @@ class WeightLayout:
 
     @property
     def nbytes(self) -> int:
-        from oldlogit.weights import DTYPE_ITEMSIZE
+        from oldlogit.contract.weights import DTYPE_ITEMSIZE
 
         return sum(math.prod(shape) * DTYPE_ITEMSIZE[dt] for dt, shape in self.specs.values())
 

@@ -1,6 +1,6 @@
 """HTTP body encodings of the contract, symmetric for the server and the client.
 
-In: contract types (``oldlogit.types``) or raw bodies; out: bytes or contract types. Malformed
+In: contract types (``types``) or raw bodies; out: bytes or contract types. Malformed
 request bodies raise ``InvalidRequest`` naming the parameter (never a pydantic/msgpack error);
 malformed response bodies raise ``InternalError``. This module does no I/O and holds no state.
 
@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ValidationError
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     Conflict,
     DeadlineExceeded,
     Forbidden,
@@ -61,7 +61,7 @@ from oldlogit.errors import (
     VersionEvicted,
     error_from_payload,
 )
-from oldlogit.types import LogprobsRequest, LogprobsResponse, Sequence, SequenceResult
+from oldlogit.contract.types import LogprobsRequest, LogprobsResponse, Sequence, SequenceResult
 
 __all__ = [
     "JSON_TYPE",

@@ -1,7 +1,7 @@
 """Protobuf <-> contract types, and typed errors <-> gRPC status, for the server and the client.
 
-In: ``oldlogit.types`` models or ``oldlogit_pb2`` messages; out: the other side. Logprobs travel
-compactly (scored positions only, as in ``oldlogit.wire``) and are put back in place on receipt.
+In: ``types`` models or ``oldlogit_pb2`` messages; out: the other side. Logprobs travel
+compactly (scored positions only, as in ``wire``) and are put back in place on receipt.
 Malformed requests raise ``InvalidRequest`` naming the parameter; malformed responses
 ``InternalError``. No I/O here: the transports call these and do the talking.
 """
@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from pydantic import BaseModel
 
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     Conflict,
     DeadlineExceeded,
     Forbidden,
@@ -35,7 +35,7 @@ from oldlogit.errors import (
     VersionEvicted,
     error_from_payload,
 )
-from oldlogit.types import (
+from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,
@@ -48,7 +48,7 @@ from oldlogit.types import (
     TraceStageInfo,
     VersionInfo,
 )
-from oldlogit.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
+from oldlogit.contract.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
 
 __all__ = [
     "ERROR_METADATA_KEY",

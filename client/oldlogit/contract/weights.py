@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from oldlogit.errors import InvalidRequest
+from oldlogit.contract.errors import InvalidRequest
 
 if TYPE_CHECKING:
     import torch

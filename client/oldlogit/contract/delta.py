@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from oldlogit.errors import InvalidRequest
+from oldlogit.contract.errors import InvalidRequest
 
 __all__ = [
     "FORMAT",

@@ -18,6 +18,10 @@ from typing import Any
 
 @dataclass
 class Figure:
+    """One measured row. ``figure`` names what is measured (kebab case, stable across runs:
+    compare runs by it, docs/performance.md lists them); ``name`` says which row and how."""
+
+    figure: str
     name: str
     value: float
     unit: str
@@ -109,10 +113,11 @@ def write_results(out_dir: Path, figures: list[Figure], meta: dict[str, Any]) ->
 
 
 def print_table(figures: list[Figure]) -> None:
-    w = max(len(f.name) for f in figures)
-    print(f"{'figure':<{w}}  {'value':>10}  {'unit':<10}  goal")
+    wf = max(len(f.figure) for f in figures)
+    wn = max(len(f.name) for f in figures)
+    print(f"{'figure':<{wf}}  {'row':<{wn}}  {'value':>10}  {'unit':<10}  goal")
     for f in figures:
-        print(f"{f.name:<{w}}  {f.value:>10.3f}  {f.unit:<10}  {f.goal}")
+        print(f"{f.figure:<{wf}}  {f.name:<{wn}}  {f.value:>10.3f}  {f.unit:<10}  {f.goal}")
         if "printed" in f.detail:  # counts a reader needs beside the ratio
             print(f"    {f.detail['printed']}")
 

@@ -4,10 +4,12 @@ A tiny Qwen2-style model (HF init, std 0.02) is trained with AdamW on fp32 maste
 policy-gradient-style loss (-advantage x logprob of sampled-like sequences); after every step
 its weights are published in bf16 to the service's snapshot store (in process, the service's
 keyframe policy). Per learning rate:
-- bytes stored for all versions ÷ bytes of one full snapshot (goal <= 3.0 at lr 1e-6);
-- time to serve a random retained version cold (its weights not in memory, its keyframe and
-  patches resident: ``acquire`` rebuilds it) ÷ time to load one full snapshot from RAM (a copy
-  into a fresh buffer) (goal <= 2.0). Also measured, in the details: everything from disk.
+- delta-storage: bytes stored for all versions ÷ bytes of one full snapshot (goal <= 3.0 at
+  lr 1e-6);
+- cold-version-load: time to serve a random retained version cold (its weights not in memory,
+  its keyframe and patches resident: ``acquire`` rebuilds it) ÷ time to load one full snapshot
+  from RAM (a copy into a fresh buffer) (goal <= 2.0). Also measured, in the details:
+  everything from disk.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def _one_lr(args: argparse.Namespace, lr: float) -> list[Figure]:
         stored = sum(r.stored_nbytes for r in recs)
         kinds = [r.kind for r in recs]
         storage = Figure(
-            f"delta lr={lr:g}: bytes stored for {len(recs)} versions ÷ one snapshot",
+            "delta-storage",
+            f"lr={lr:g}: bytes stored for {len(recs)} versions ÷ one snapshot",
             stored / snap,
             "ratio",
             "<= 3.0" if lr <= 1e-6 else "",
@@ -206,7 +209,8 @@ def _one_lr(args: argparse.Namespace, lr: float) -> list[Figure]:
                 pass
             disk.append(time.perf_counter() - t0)
         serve = Figure(
-            f"delta lr={lr:g}: serve a random version cold ÷ load a full snapshot from RAM",
+            "cold-version-load",
+            f"lr={lr:g}: serve a random version cold ÷ load a full snapshot from RAM",
             statistics.median(times) / full_s,
             "ratio",
             "<= 2.0" if lr <= 1e-6 else "",

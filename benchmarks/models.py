@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> list[Figure]:
         ["--model", str(model_dir), "--snapshot-dir", str(root / "snap"), "--dtype", "bfloat16"]
     )
     start_s = time.perf_counter() - t0
-    figures = [Figure("models: start (version 0 + self-check)", start_s, "s", "", {"GB": gb})]
+    figures = [
+        Figure("models-start", "start (version 0 + self-check)", start_s, "s", "", {"GB": gb})
+    ]
     try:
         publish_s: list[float] = []
         rss = [_rss_mib(server.proc.pid)]
@@ -140,14 +142,16 @@ def run(args: argparse.Namespace) -> list[Figure]:
         half = len(rss) // 2
         figures += [
             Figure(
-                "models: first publish (full)",
+                "models-first-publish",
+                "first publish (full)",
                 publish_s[0] / gb,
                 "s/GB",
                 "",
                 {"seconds": publish_s[0]},
             ),
             Figure(
-                "models: delta publish",
+                "models-delta-publish",
+                "delta publish",
                 statistics.median(publish_s[1:]) / gb if len(publish_s) > 1 else float("nan"),
                 "s/GB",
                 "",
@@ -159,21 +163,24 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 },
             ),
             Figure(
-                "models: server RSS after the last version",
+                "models-rss",
+                "server RSS after the last version",
                 rss[-1],
                 "MiB",
                 "",
                 {"rss_mib": rss, "model_mib": nbytes / 2**20},
             ),
             Figure(
-                "models: server RSS growth per version, second half",
+                "models-rss-growth",
+                "server RSS growth per version, second half",
                 (rss[-1] - rss[half]) / max(1, len(rss) - 1 - half),
                 "MiB",
                 "",
                 {"from_version": half, "note": "the device tier fills first (budget 4 GiB)"},
             ),
             Figure(
-                "models: service ÷ in-process HF forward",
+                "models-vs-hf-forward",
+                "service ÷ in-process HF forward",
                 (tokens / served["median_s"]) / (tokens / hf["median_s"]),
                 "ratio",
                 "",

@@ -1,15 +1,16 @@
 """Trainer parity and packed batching: what the batch-invariant numerics cost and buy.
 
-I1  rows of a plain ``F.linear`` whose bits change with the row count (share of 7 counts),
-    against fixed-shape tiles (always 0): why the tiles exist.
-I2  packed deterministic service ÷ padded (``fast``, ``--numerics hf``) service: 64 concurrent
-    single-sequence gRPC clients sending short sequences (32 tokens), where batching pays
-    most on a CPU; both servers up at once, rounds interleaved, median of the per-round ratios.
-I3  a patched trainer step (forward + backward) ÷ the plain one: a Qwen2-style bf16 model,
-    TRL's layout (left-padded prompts, right-padded completions, ``logits_to_keep``); and the
-    same at Qwen2.5-0.5B's layer shapes (hidden 896, intermediate 4864, 14/2 heads, vocab
-    151,936, tied head; 4 layers).
-I4  the parity table: a TRL-style bf16 trainer forward (logits ÷ temperature in bf16, then a
+linear-row-invariance  rows of a plain ``F.linear`` whose bits change with the row count
+    (share of 7 counts), against fixed-shape tiles (always 0): why the tiles exist.
+packed-vs-padded  packed deterministic service ÷ padded (``fast``, ``--numerics hf``) service:
+    64 concurrent single-sequence gRPC clients sending short sequences (32 tokens), where
+    batching pays most on a CPU; both servers up at once, rounds interleaved, median of the
+    per-round ratios.
+patched-step-cost  a patched trainer step (forward + backward) ÷ the plain one: a Qwen2-style
+    bf16 model, TRL's layout (left-padded prompts, right-padded completions,
+    ``logits_to_keep``); patched-step-cost-05b: the same at Qwen2.5-0.5B's layer shapes
+    (hidden 896, intermediate 4864, 14/2 heads, vocab 151,936, tied head; 4 layers).
+trainer-parity-table  a TRL-style bf16 trainer forward (logits ÷ temperature in bf16, then a
     per-row log-softmax, as TRL's ``selective_log_softmax`` does for bf16) against the service,
     plain and under ``trainer_numerics``, per micro-batch size (``oldlogit.parity.compare``).
 """
@@ -68,7 +69,8 @@ def _linear_row_changes() -> Figure:
         for m in counts
     ]
     return Figure(
-        "I1 F.linear fp32: share of row counts that change a row's bits",
+        "linear-row-invariance",
+        "F.linear fp32: share of row counts that change a row's bits",
         sum(plain) / len(counts),
         "share",
         "",
@@ -93,7 +95,7 @@ def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
     from oldlogit import Client
 
     model_dir = _model_dir(
-        root / "i2-model",
+        root / "packed-model",
         hidden=args.hidden,
         layers=args.layers,
         vocab=args.vocab,
@@ -112,7 +114,7 @@ def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
                 "--model",
                 str(model_dir),
                 "--snapshot-dir",
-                str(root / f"i2-{name}"),
+                str(root / f"packed-vs-padded-{name}"),
                 "--dtype",
                 "float32",
                 "--cache-budget-mib",
@@ -133,7 +135,7 @@ def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
         rps: dict[str, list[float]] = {n: [] for n in servers}
         ratios = []
         for _ in range(args.parity_reps):
-            got = {n: _requests_per_s(clients[n], seqs, args.p3_rounds) for n in servers}
+            got = {n: _requests_per_s(clients[n], seqs, args.concurrent_rounds) for n in servers}
             for n, v in got.items():
                 rps[n].append(v)
             ratios.append(got["packed"] / got["padded"])
@@ -145,7 +147,8 @@ def _packed_vs_padded(args: argparse.Namespace, root: Path) -> Figure:
             s.stop()
     med = {n: statistics.median(v) for n, v in rps.items()}
     return Figure(
-        f"I2 packed deterministic ÷ padded fast, {conc} clients × {length} tokens",
+        "packed-vs-padded",
+        f"packed deterministic ÷ padded fast, {conc} clients × {length} tokens",
         statistics.median(ratios),
         "ratio",
         ">= 0.9",
@@ -174,19 +177,20 @@ def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
     from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     small = _model_dir(
-        root / "i3-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
+        root / "step-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
     )
     figures = [
         _step_cost(
             args,
             small,
             8192,
-            "I3 patched trainer forward+backward ÷ plain (bf16, 8 × (64 + 128) tokens)",
+            "patched-step-cost",
+            "patched trainer forward+backward ÷ plain (bf16, 8 × (64 + 128) tokens)",
         )
     ]
     if args.trainer_05b_layers > 0:
         shaped = make_tiny_model_dir(
-            root / "i3-05b",
+            root / "step-05b",
             arch="qwen2",
             seed=0,
             vocab_size=151936,
@@ -205,14 +209,17 @@ def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
                 args,
                 shaped,
                 151936,
-                "I3b patched trainer forward+backward ÷ plain at Qwen2.5-0.5B's layer shapes "
+                "patched-step-cost-05b",
+                "patched trainer forward+backward ÷ plain at Qwen2.5-0.5B's layer shapes "
                 f"({args.trainer_05b_layers} layers, bf16, 8 × (64 + 128) tokens)",
             )
         )
     return figures
 
 
-def _step_cost(args: argparse.Namespace, model_dir: Path, vocab: int, name: str) -> Figure:
+def _step_cost(
+    args: argparse.Namespace, model_dir: Path, vocab: int, figure: str, name: str
+) -> Figure:
     from transformers import AutoModelForCausalLM
 
     from oldlogit.parity import token_logprobs, trainer_numerics
@@ -244,6 +251,7 @@ def _step_cost(args: argparse.Namespace, model_dir: Path, vocab: int, name: str)
         patched_s.append(patched)
         ratios.append(patched / plain)
     return Figure(
+        figure,
         name,
         statistics.median(ratios),
         "ratio",
@@ -275,10 +283,17 @@ def _parity_table(args: argparse.Namespace, root: Path) -> list[Figure]:
     from oldlogit.parity import compare
 
     model_dir = _model_dir(
-        root / "i4-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
+        root / "parity-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
     )
     srv = ServerProcess(
-        ["--model", str(model_dir), "--snapshot-dir", str(root / "i4-snap"), "--dtype", "bfloat16"]
+        [
+            "--model",
+            str(model_dir),
+            "--snapshot-dir",
+            str(root / "parity-snap"),
+            "--dtype",
+            "bfloat16",
+        ]
     )
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
@@ -307,7 +322,8 @@ def _parity_table(args: argparse.Namespace, root: Path) -> list[Figure]:
         for row in report.rows:
             figures.append(
                 Figure(
-                    f"I4 {label} bf16 trainer, micro-batch {row.micro_batch}: max |Δ logprob|",
+                    "trainer-parity-table",
+                    f"{label} bf16 trainer, micro-batch {row.micro_batch}: max |Δ logprob|",
                     row.max_abs,
                     "nats",
                     "0" if label == "patched" else "",
@@ -335,12 +351,29 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parity-len", type=int, default=32, help="I2: tokens per sequence")
-    p.add_argument("--parity-reps", type=int, default=7, help="I2/I3: interleaved rounds")
-    p.add_argument("--parity-samples", type=int, default=32, help="I4: sequences compared")
-    p.add_argument("--trainer-hidden", type=int, default=512, help="I3/I4: model width")
     p.add_argument(
-        "--trainer-05b-layers", type=int, default=4, help="I3b: layers at 0.5B shapes (0: off)"
+        "--parity-len", type=int, default=32, help="packed-vs-padded: tokens per sequence"
+    )
+    p.add_argument(
+        "--parity-reps",
+        type=int,
+        default=7,
+        help="packed-vs-padded, patched-step-cost: interleaved rounds",
+    )
+    p.add_argument(
+        "--parity-samples", type=int, default=32, help="trainer-parity-table: sequences compared"
+    )
+    p.add_argument(
+        "--trainer-hidden",
+        type=int,
+        default=512,
+        help="patched-step-cost, trainer-parity-table: model width",
+    )
+    p.add_argument(
+        "--trainer-05b-layers",
+        type=int,
+        default=4,
+        help="patched-step-cost-05b: layers at 0.5B shapes (0: off)",
     )
 
 

@@ -1,13 +1,15 @@
 """Head-of-line blocking: a hot version's latency while other versions load.
 
-L1  a client scoring the leased newest version, alone and then beside a second client that
-    asks for old versions (each a cold load: a device budget of two versions, twelve versions
-    of a ~40 M-parameter model stored as keyframes and patches). Figure: the hot client's p99
-    beside the cold loads ÷ its p99 alone (goal ≤ 1.5: the load stage runs beside the compute
-    stage instead of in front of it); the cold requests' latency is reported with it.
-    The floor beside it: the same second client asking for one *resident* version, so nothing
-    loads and only the compute stage is shared — what the second client's own forwards cost
-    the hot one on this machine, loads or not. The three conditions run in interleaved rounds.
+hot-p99-beside-cold  a client scoring the leased newest version, alone and then beside a
+    second client that asks for old versions (each a cold load: a device budget of two
+    versions, twelve versions of a ~40 M-parameter model stored as keyframes and patches).
+    Figure: the hot client's p99 beside the cold loads ÷ its p99 alone (goal ≤ 1.5: the load
+    stage runs beside the compute stage instead of in front of it); the cold requests' latency
+    is reported with it.
+hot-p99-beside-resident  the floor beside it: the same second client asking for one
+    *resident* version, so nothing loads and only the compute stage is shared — what the
+    second client's own forwards cost the hot one on this machine, loads or not.
+The three conditions run in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
     p99_alone = _pct(alone, 0.99)
     return [
         Figure(
-            "L1 hot-version p99 beside cold loads ÷ alone",
+            "hot-p99-beside-cold",
+            "hot-version p99 beside cold loads ÷ alone",
             _pct(cold_hot, 0.99) / p99_alone,
             "ratio",
             "<= 1.5",
@@ -162,7 +165,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             },
         ),
         Figure(
-            "L1 floor: hot p99 beside a resident version's client ÷ alone (nothing loads)",
+            "hot-p99-beside-resident",
+            "floor: hot p99 beside a resident version's client ÷ alone (nothing loads)",
             _pct(warm, 0.99) / p99_alone,
             "ratio",
             "-",
@@ -184,8 +188,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipe-layers", type=int, default=8)
     p.add_argument("--pipe-vocab", type=int, default=16384)
     p.add_argument("--pipe-tokens", type=int, default=128)
-    p.add_argument("--pipe-requests", type=int, default=40, help="L1: hot requests per phase")
-    p.add_argument("--pipe-rounds", type=int, default=3, help="L1: interleaved rounds")
+    p.add_argument(
+        "--pipe-requests", type=int, default=40, help="hot-p99-beside-*: hot requests per phase"
+    )
+    p.add_argument(
+        "--pipe-rounds", type=int, default=3, help="hot-p99-beside-*: interleaved rounds"
+    )
 
 
 def smoke(args: argparse.Namespace) -> None:

@@ -1,8 +1,10 @@
-"""P1 and concurrency: the service against the in-process engine, on the same batches.
+"""The service against the in-process engine, on the same batches.
 
-P1: one request of S sequences × T tokens; service tokens/s ÷ in-process engine tokens/s over
-gRPC and HTTP (msgpack). Concurrency: C clients each sending one sequence at once vs the same C
-sequences sent one after another. The server is a real `oldlogit serve` subprocess; the
+inprocess-throughput: the engine in this process, S sequences × T tokens (tokens/s).
+service-vs-inprocess: one request of S × T; service tokens/s ÷ in-process engine tokens/s over
+gRPC and HTTP (msgpack).
+concurrent-vs-sequential: C clients each sending one sequence at once vs the same C sequences
+sent one after another. The server is a real `oldlogit serve` subprocess; the
 in-process baseline runs the engine in this process with the same model and thread count.
 """
 
@@ -67,7 +69,14 @@ def run(args: argparse.Namespace) -> list[Figure]:
     inproc = summary(timed(lambda: engine.run(weights, jobs), reps=args.reps))
     inproc_tps = tokens / inproc["median_s"]
     figures.append(
-        Figure("in-process engine", inproc_tps, "tokens/s", "", {**inproc, "tokens": tokens})
+        Figure(
+            "inprocess-throughput",
+            f"in-process engine, {args.seqs} × {args.seq_len} tokens",
+            inproc_tps,
+            "tokens/s",
+            "",
+            {**inproc, "tokens": tokens},
+        )
     )
 
     server = ServerProcess(
@@ -93,8 +102,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
     try:
         seqs = [Sequence(token_ids=ids, policy_version=0) for ids in seqs_ids]
         for name, url, goal in (
-            ("P1 grpc", server.grpc_url, ">= 0.95"),
-            ("P1 http msgpack", server.http_url, ">= 0.90"),
+            ("grpc", server.grpc_url, ">= 0.95"),
+            ("http msgpack", server.http_url, ">= 0.90"),
         ):
             with Client(url, timeout_s=600) as c:
                 res = summary(
@@ -103,7 +112,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             tps = tokens / res["median_s"]
             figures.append(
                 Figure(
-                    f"{name} ÷ in-process",
+                    "service-vs-inprocess",
+                    f"{name} ÷ in-process engine",
                     tps / inproc_tps,
                     "ratio",
                     goal,
@@ -148,6 +158,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
             c.close()
         figures.append(
             Figure(
+                "concurrent-vs-sequential",
                 f"{conc} concurrent ÷ {conc} sequential clients",
                 s_res["median_s"] / c_res["median_s"],
                 "speed-up",

@@ -263,10 +263,11 @@ def run(args: argparse.Namespace) -> list[Figure]:
         "median_s": statistics.median(all_lat) if all_lat else float("nan"),
     }
     return [
-        Figure("soak errors", float(len(errors)), "count", "0", detail),
-        Figure("soak p99 drift (last ÷ first window)", drift, "ratio", "~1", {}),
+        Figure("soak-errors", "errors under load", float(len(errors)), "count", "0", detail),
+        Figure("soak-p99-drift", "p99, last ÷ first window", drift, "ratio", "~1", {}),
         Figure(
-            "soak RSS growth (peak, last ÷ first minute after the warm-up)",
+            "soak-rss-growth",
+            "RSS growth (peak, last ÷ first minute after the warm-up)",
             peak_growth,
             "fraction",
             "<= 0.05",

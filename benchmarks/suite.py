@@ -11,7 +11,7 @@ import torch
 from benchmarks import delta_trace, models, parity, pipeline, serving, soak, throughput, tls
 from benchmarks.common import Figure, print_table, write_results
 
-FIGURES = {
+SUITES = {  # each runs some figures (docs/performance.md)
     "serving": serving,
     "throughput": throughput,
     "delta": delta_trace,
@@ -44,7 +44,8 @@ def plot(figures: list[Figure], out: Path) -> None:
     ratios = [f for f in figures if f.unit == "ratio" and f.value == f.value]
     if ratios:
         fig, ax = plt.subplots(figsize=(9, 0.45 * len(ratios) + 1.2))
-        ax.barh([f.name for f in ratios], [f.value for f in ratios], color="#4a7bd0")
+        labels = [f"{f.figure}: {f.name}" for f in ratios]
+        ax.barh(labels, [f.value for f in ratios], color="#4a7bd0")
         for i, f in enumerate(ratios):
             goal = f.goal.replace(">=", "").replace("<=", "").strip()
             try:
@@ -56,7 +57,7 @@ def plot(figures: list[Figure], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / "ratios.png", dpi=110)
         plt.close(fig)
-    lat = next((f for f in figures if f.name.startswith("latency")), None)
+    lat = next((f for f in figures if f.figure == "latency-under-load"), None)
     if lat is not None:
         loads = [k for k in ("10%", "50%", "80%") if k in lat.detail]
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -72,7 +73,12 @@ def plot(figures: list[Figure], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oldlogit bench")
-    p.add_argument("figures", nargs="*", help=f"which figures (default all): {sorted(FIGURES)}")
+    p.add_argument(
+        "figures",
+        nargs="*",
+        metavar="suite",
+        help=f"which suites (default all but soak and models): {sorted(SUITES)}",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for CI")
     serving.add_args(p)
@@ -85,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     models.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
-    unknown = sorted(set(args.figures) - set(FIGURES))
+    unknown = sorted(set(args.figures) - set(SUITES))
     if unknown:
-        p.error(f"unknown figures {unknown}; choose from {sorted(FIGURES)}")
+        p.error(f"unknown suites {unknown}; choose from {sorted(SUITES)}")
     if args.smoke:
         args.hidden, args.layers, args.vocab = 64, 2, 512
         args.seqs, args.seq_len, args.concurrency, args.single_len, args.reps = 4, 64, 4, 16, 1
@@ -98,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.smoke(args)
         tls.smoke(args)
         models.smoke(args)
-        args.p3_rounds, args.p6_requests, args.latency_s = 1, 16, 1.0
+        args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:
-        figures.extend(FIGURES[name].run(args))
+        figures.extend(SUITES[name].run(args))
     print_table(figures)
     meta = {
         "machine": platform.machine(),

@@ -1,16 +1,21 @@
-"""P2, P3, P6, P7 and latency: oldlogit against the roofline, the naive server and itself.
+"""oldlogit against the roofline, the naive server and itself.
 
-P2  forward FLOP/s ÷ measured GEMM FLOP/s (fp32), in-process engine, 64 × 512.
-P3  64 concurrent single-sequence clients: service throughput ÷ naive server, and ÷ the
-    in-process big-batch engine call on the same sequences.
-P6  requests over 16 versions (Zipf-like toward recent) with a device budget of 4 versions:
-    service throughput ÷ naive server (which reloads safetensors on every version switch);
-    eviction and rebuild counts from /metrics.
-P7  deterministic-mode throughput ÷ fast-mode throughput (64 × 512), and the measured
-    fast-mode deviation.
+forward-roofline         forward FLOP/s ÷ measured GEMM FLOP/s (fp32), in-process engine,
+                         64 × 512.
+concurrent-vs-naive      64 concurrent single-sequence clients: service throughput ÷ naive
+                         server; concurrent-vs-big-batch: the same ÷ the in-process big-batch
+                         engine call on the same sequences; concurrent-vs-naive-ceiling: that
+                         engine call ÷ the naive server, the most any server reaches here.
+versions-vs-naive        requests over 16 versions (Zipf-like toward recent) with a device
+                         budget of 4 versions: service throughput ÷ naive server (which
+                         reloads safetensors on every version switch); eviction and rebuild
+                         counts from /metrics; versions-vs-naive-ceiling beside it.
+deterministic-vs-fast    deterministic-mode throughput ÷ fast-mode throughput (64 × 512), and
+                         the measured fast-mode deviation.
+latency-under-load       p50/p99 of single-sequence requests at 10 %, 50 %, 80 % of measured
+                         capacity.
 "Deterministic" is the default (invariant numerics, packed batches, exact); "fast" is
 ``--numerics hf --mode fast`` (the plain HF forward, sequences padded together, inexact).
-Latency: p50/p99 of single-sequence requests at 10 %, 50 %, 80 % of measured capacity.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
     singles = [[rng.randrange(args.vocab) for _ in range(L)] for _ in range(conc)]
     big = [[rng.randrange(args.vocab) for _ in range(args.seq_len)] for _ in range(args.seqs)]
 
-    # P2: roofline.
+    # forward-roofline.
     engine = Engine(model, mode="deterministic")
     jobs = [
         Job(token_ids=torch.tensor(s), positions=torch.arange(1, len(s)), sampling=SamplingParams())
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
     fwd_flops = _forward_flops(model, args.seq_len, args.seqs) / fwd["median_s"]
     figures.append(
         Figure(
-            "P2 forward FLOP/s ÷ GEMM FLOP/s (fp32)",
+            "forward-roofline",
+            "forward FLOP/s ÷ GEMM FLOP/s (fp32)",
             fwd_flops / gemm,
             "ratio",
             ">= 0.75",
@@ -107,7 +113,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
         )
     )
 
-    # The versions: 16 for P6, written for the naive server too.
+    # The versions: 16 for versions-vs-naive, written for the naive server too.
     versions = demo_versions(base, 16, changed_fraction=0.03)
     vdir = root / "versions"
     vdir.mkdir()
@@ -169,8 +175,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             r = http_naive[i].post("/logprobs", json={"token_ids": singles[i], "policy_version": v})
             r.raise_for_status()
 
-        # P3: 64 concurrent single-sequence clients, one version.
-        rounds = args.p3_rounds
+        # concurrent-vs-naive: 64 concurrent single-sequence clients, one version.
+        rounds = args.concurrent_rounds
         naive_t = statistics.median(
             [
                 concurrent(conc, lambda i: [naive_one(i) for _ in range(rounds)])
@@ -204,7 +210,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             inproc_tps = conc * L / inproc
             figures.append(
                 Figure(
-                    f"P3 {mode}: {conc} clients ÷ naive server",
+                    "concurrent-vs-naive",
+                    f"{mode}: {conc} clients ÷ naive server",
                     tps / naive_tps,
                     "ratio",
                     ">= 4",
@@ -213,7 +220,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             )
             figures.append(
                 Figure(
-                    f"P3 {mode}: {conc} clients ÷ in-process big batch",
+                    "concurrent-vs-big-batch",
+                    f"{mode}: {conc} clients ÷ in-process big batch",
                     tps / inproc_tps,
                     "ratio",
                     ">= 0.8",
@@ -222,13 +230,14 @@ def run(args: argparse.Namespace) -> list[Figure]:
             )
             figures.append(
                 Figure(
-                    f"P3 {mode} ceiling here: in-process big batch ÷ naive server",
+                    "concurrent-vs-naive-ceiling",
+                    f"{mode}: in-process big batch ÷ naive server",
                     inproc_tps / naive_tps,
                     "ratio",
                     "",
                     {
                         "why": "the most any server can reach on this machine with this "
-                        "engine: P3 ÷ naive cannot exceed it by more than the transport's "
+                        "engine: concurrent-vs-naive cannot exceed it by more than the transport's "
                         "overlap with compute",
                     },
                 )
@@ -237,18 +246,21 @@ def run(args: argparse.Namespace) -> list[Figure]:
             for c in clients:
                 c.close()
 
-        # P6: 16 versions, Zipf-like toward recent, device budget 4 versions.
+        # versions-vs-naive: 16 versions, Zipf-like toward recent, device budget 4 versions.
         reqs = [
-            (i % conc, 15 - min(15, int(rng.expovariate(0.35)))) for i in range(args.p6_requests)
+            (i % conc, 15 - min(15, int(rng.expovariate(0.35))))
+            for i in range(args.versions_requests)
         ]
         per_client: dict[int, list[int]] = {}
         for i, v in reqs:
             per_client.setdefault(i, []).append(v)
-        naive_t6 = concurrent(conc, lambda i: [naive_one(i, v) for v in per_client.get(i, [])])
-        srv = servers[args.p6_mode]
+        naive_versions_s = concurrent(
+            conc, lambda i: [naive_one(i, v) for v in per_client.get(i, [])]
+        )
+        srv = servers[args.versions_mode]
         before = httpx.get(f"{srv.http_url}/metrics").text
         clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
-        ours_t6 = concurrent(
+        ours_versions_s = concurrent(
             conc,
             lambda i: [
                 clients[i].logprobs(singles[i], policy_version=v, use_cache=False)
@@ -265,14 +277,15 @@ def run(args: argparse.Namespace) -> list[Figure]:
         evictions = moved("oldlogit_evictions_total", '{tier="device"}')
         figures.append(
             Figure(
-                f"P6 16 versions, budget 4 ({args.p6_mode}) ÷ naive",
-                naive_t6 / ours_t6,
+                "versions-vs-naive",
+                f"16 versions, budget 4 ({args.versions_mode}) ÷ naive",
+                naive_versions_s / ours_versions_s,
                 "ratio",
                 ">= 2",
                 {
                     "requests": len(reqs),
-                    "naive_s": naive_t6,
-                    "oldlogit_s": ours_t6,
+                    "naive_s": naive_versions_s,
+                    "oldlogit_s": ours_versions_s,
                     "device_evictions": evictions,
                     "loads": moved("oldlogit_weight_loads_total", '{source="disk"}')
                     + moved("oldlogit_weight_loads_total", '{source="host"}'),
@@ -288,40 +301,43 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 },
             )
         )
-        # The same requests in process at one version, no switches at all: P6 cannot pass it.
+        # The same requests in process at one version, no switches at all: versions-vs-naive
+        # cannot pass it.
         figures.append(
             Figure(
-                f"P6 ceiling here: naive ÷ in-process with no version switch ({args.p6_mode})",
-                naive_t6 / (len(reqs) * inproc_s[args.p6_mode]),
+                "versions-vs-naive-ceiling",
+                f"naive ÷ in-process with no version switch ({args.versions_mode})",
+                naive_versions_s / (len(reqs) * inproc_s[args.versions_mode]),
                 "ratio",
                 "",
-                {"in_process_s": len(reqs) * inproc_s[args.p6_mode]},
+                {"in_process_s": len(reqs) * inproc_s[args.versions_mode]},
             )
         )
 
-        # P7: deterministic ÷ fast on 64 × 512 through the service.
+        # deterministic-vs-fast: on 64 × 512 through the service.
         seqs = [Sequence(token_ids=s, policy_version=0) for s in big]
-        tps7 = {}
+        tps_by_mode = {}
         for mode, srv in servers.items():
             with Client(srv.grpc_url, timeout_s=600) as c:
                 res = summary(
                     timed(lambda c=c: c.logprobs_batch(seqs, use_cache=False), reps=args.reps)
                 )
-            tps7[mode] = args.seqs * args.seq_len / res["median_s"]
+            tps_by_mode[mode] = args.seqs * args.seq_len / res["median_s"]
         dev = measure_fast_mode_deviation(
             models["fast"], base, num_sequences=8, min_len=2, max_len=args.seq_len
         )
         figures.append(
             Figure(
-                "P7 deterministic ÷ fast throughput",
-                tps7["deterministic"] / tps7["fast"],
+                "deterministic-vs-fast",
+                "deterministic ÷ fast throughput",
+                tps_by_mode["deterministic"] / tps_by_mode["fast"],
                 "ratio",
                 ">= 0.8",
-                {"tokens_per_s": tps7, "fast_max_abs_deviation": dev},
+                {"tokens_per_s": tps_by_mode, "fast_max_abs_deviation": dev},
             )
         )
 
-        # Latency at 10/50/80 % of capacity (single sequences, deterministic server).
+        # latency-under-load: at 10/50/80 % of capacity (single sequences, deterministic server).
         srv = servers["deterministic"]
         clients = [Client(srv.grpc_url, timeout_s=600) for _ in range(conc)]
         cap_t = concurrent(
@@ -364,7 +380,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             c.close()
         figures.append(
             Figure(
-                "latency p99 at 80 % ÷ at 10 % of capacity",
+                "latency-under-load",
+                "p99 at 80 % ÷ at 10 % of capacity",
                 lat_detail["80%"]["p99_ms"] / lat_detail["10%"]["p99_ms"],
                 "ratio",
                 "",
@@ -381,7 +398,21 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--p3-rounds", type=int, default=2)
-    p.add_argument("--p6-requests", type=int, default=256)
-    p.add_argument("--p6-mode", default="deterministic")
-    p.add_argument("--latency-s", type=float, default=8.0)
+    p.add_argument(
+        "--concurrent-rounds",
+        type=int,
+        default=2,
+        help="concurrent-vs-naive, packed-vs-padded: requests per client per round",
+    )
+    p.add_argument(
+        "--versions-requests", type=int, default=256, help="versions-vs-naive: requests in all"
+    )
+    p.add_argument(
+        "--versions-mode",
+        default="deterministic",
+        choices=["deterministic", "fast"],
+        help="versions-vs-naive: the server measured",
+    )
+    p.add_argument(
+        "--latency-s", type=float, default=8.0, help="latency-under-load: seconds per load level"
+    )

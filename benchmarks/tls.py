@@ -1,4 +1,4 @@
-"""S1: what TLS costs the gRPC transport — throughput with TLS ÷ without, side by side.
+"""tls-vs-plaintext: what TLS costs the gRPC transport — throughput with TLS ÷ without.
 
 Two real `oldlogit serve` subprocesses on the same tiny model, one plaintext and one with TLS
 (a private CA made here with the ``cryptography`` package, tests/tls_certs.py). C concurrent
@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
             ratio = statistics.median(r["ratio"] for r in rounds)
             figures.append(
                 Figure(
-                    f"S1 grpc TLS ÷ plaintext, {label} cached requests",
+                    "tls-vs-plaintext",
+                    f"grpc TLS ÷ plaintext, {label} cached requests",
                     ratio,
                     "ratio",
                     ">= 0.8",
@@ -119,11 +120,11 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-clients", type=int, default=8, help="S1: concurrent clients")
-    p.add_argument("--tls-requests", type=int, default=300, help="S1: requests per client")
-    p.add_argument("--tls-tokens", type=int, default=128, help="S1: tokens per sequence")
-    p.add_argument("--tls-batch", type=int, default=64, help="S1: sequences per large request")
-    p.add_argument("--tls-rounds", type=int, default=3, help="S1: alternating rounds")
+    p.add_argument("--tls-clients", type=int, default=8, help="concurrent clients")
+    p.add_argument("--tls-requests", type=int, default=300, help="requests per client")
+    p.add_argument("--tls-tokens", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--tls-batch", type=int, default=64, help="sequences per large request")
+    p.add_argument("--tls-rounds", type=int, default=3, help="alternating rounds")
 
 
 def smoke(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,26 +41,43 @@ def test_bench_smoke(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "results.json").read_text())
-    names = [f["name"] for f in data["figures"]]
-    assert any(n.startswith("P1 grpc") for n in names)
-    by_name = {f["name"]: f for f in data["figures"]}
-    assert by_name["in-process engine"]["value"] > 0
+    rows: dict[str, list[dict[str, Any]]] = {}  # figure -> its rows
+    for f in data["figures"]:
+        rows.setdefault(f["figure"], []).append(f)
+    assert any(f["name"].startswith("grpc") for f in rows["service-vs-inprocess"])
+    (inproc,) = rows["inprocess-throughput"]
+    assert inproc["value"] > 0
     # Every figure of the suite ran (tiny sizes) and the plots were written.
-    for prefix in ("P2 ", "P3 ", "P6 ", "P7 ", "latency", "I1 ", "I2 ", "I3 ", "I4 ", "L1 ", "S1 "):
-        assert any(n.startswith(prefix) for n in names), prefix
-    assert any("snapshot" in n or "stored" in n or "cold" in n for n in names), names
+    for figure in (
+        "forward-roofline",
+        "concurrent-vs-naive",
+        "versions-vs-naive",
+        "deterministic-vs-fast",
+        "latency-under-load",
+        "linear-row-invariance",
+        "packed-vs-padded",
+        "patched-step-cost",
+        "trainer-parity-table",
+        "hot-p99-beside-cold",
+        "tls-vs-plaintext",
+    ):
+        assert figure in rows, figure
+    assert {"delta-storage", "cold-version-load"} <= rows.keys(), sorted(rows)
     assert (tmp_path / "ratios.png").stat().st_size > 1000
     # Parity: the patched trainer is the service at every micro-batch size, even in smoke sizes.
-    patched = [f for n, f in by_name.items() if n.startswith("I4 patched")]
+    patched = [f for f in rows["trainer-parity-table"] if f["name"].startswith("patched")]
     assert len(patched) == 3 and all(f["value"] == 0 for f in patched)
     # TLS ÷ plaintext gRPC throughput: both servers answered (a positive, finite ratio).
-    s1 = [f for n, f in by_name.items() if n.startswith("S1 ")]
-    assert len(s1) == 2 and all(0 < f["value"] < 100 for f in s1), s1
+    tls = rows["tls-vs-plaintext"]
+    assert len(tls) == 2 and all(0 < f["value"] < 100 for f in tls), tls
     # The soak's short configuration: publishes, evictions, load; zero errors.
-    assert by_name["soak errors"]["value"] == 0, by_name["soak errors"]["detail"]["errors"]
-    assert by_name["soak errors"]["detail"]["requests"] > 20
+    (errors,) = rows["soak-errors"]
+    assert errors["value"] == 0, errors["detail"]["errors"]
+    assert errors["detail"]["requests"] > 20
     # Real size, shrunk: the server started, took 3 versions (full, then deltas) and scored.
-    assert by_name["models: start (version 0 + self-check)"]["value"] > 0
-    delta = by_name["models: delta publish"]["detail"]
-    assert len(delta["seconds"]) == 2 and "patch" in delta["kinds"]
-    assert by_name["models: service ÷ in-process HF forward"]["value"] > 0
+    (start,) = rows["models-start"]
+    assert start["value"] > 0
+    (delta,) = rows["models-delta-publish"]
+    assert len(delta["detail"]["seconds"]) == 2 and "patch" in delta["detail"]["kinds"]
+    (scoring,) = rows["models-vs-hf-forward"]
+    assert scoring["value"] > 0

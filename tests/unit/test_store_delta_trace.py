@@ -1,5 +1,5 @@
 """The RL-like trace of ``oldlogit bench delta`` runs at its smoke size and reports both
-figures per learning rate (the full-size figures are in the README)."""
+figures per learning rate (the full-size figures are in docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from oldlogit.contract.types import OpenSession, SessionInfo
 
 if TYPE_CHECKING:
     from oldlogit._publish import WeightsCopy
-    from oldlogit._transport import Transport
     from oldlogit.contract.layout import WeightLayout
+    from oldlogit.transport.base import Transport
 
 __all__ = ["SessionsMixin"]
 

@@ -3,7 +3,7 @@
 In: token ids (lists, numpy or torch, duck-typed), versions and weights; out: contract types with
 numpy arrays (``SequenceResult.logprobs`` float32, full length, NaN where not scored). One code
 path: ``Client`` runs ``AsyncClient`` on a private event-loop thread. Retries and replica
-failover go through ``oldlogit._retry`` only. Never imports torch (tensors are duck-typed).
+failover go through ``oldlogit.transport.pool`` only. Never imports torch (tensors are duck-typed).
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from pydantic import ValidationError
 
-from oldlogit._loop_thread import LoopThread
-from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
 from oldlogit._sessions import SessionsMixin
-from oldlogit._tls import ClientTls
-from oldlogit._transport import TLS_SCHEMES, Transport, check_url, open_transport
 from oldlogit.contract import wire
 from oldlogit.contract.convert import PublishHeader
 from oldlogit.contract.errors import (
@@ -51,6 +47,11 @@ from oldlogit.contract.types import (
     TraceRequest,
     VersionInfo,
 )
+from oldlogit.transport.base import TLS_SCHEMES, Transport, check_url, open_transport
+from oldlogit.transport.loop_thread import LoopThread
+from oldlogit.transport.pool import TransportPool
+from oldlogit.transport.retry import RetryPolicy
+from oldlogit.transport.tls import ClientTls
 
 if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
     from oldlogit._publish import SafetensorsStream, WeightsCopy
@@ -124,30 +125,22 @@ class AsyncClient(SessionsMixin):
                 )
         if retries < 0:
             raise InvalidRequest("retries must be >= 0", parameter="retries")
-        self._replicas: ReplicaSet[str] = ReplicaSet(urls)
-        self._token = token
-        self._timeout_s = timeout_s
+        encoding = wire.MSGPACK_TYPE if http_encoding == "msgpack" else wire.JSON_TYPE
+        tls = self._tls
+
+        def open_one(url: str) -> Transport:
+            return open_transport(url, token=token, http_encoding=encoding, tls=tls)
+
+        policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
+        self._pool = TransportPool(urls, open_one, policy, timeout_s=timeout_s)
         self._publish_timeout_s = publish_timeout_s
-        self._policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
-        self._encoding = wire.MSGPACK_TYPE if http_encoding == "msgpack" else wire.JSON_TYPE
-        # Created on first use, inside the running loop (grpc.aio channels are bound to it).
-        self._transports: dict[str, Transport] = {}
         # The weights of the last publish(..., delta=True): the next delta's parent.
         self._last_published: WeightsCopy | None = None
         self._layout: WeightLayout | None = None  # the model's weight layout, from info()
 
     @property
     def urls(self) -> list[str]:
-        return self._replicas.replicas
-
-    def _transport(self, url: str) -> Transport:
-        transport = self._transports.get(url)
-        if transport is None:
-            transport = open_transport(
-                url, token=self._token, http_encoding=self._encoding, tls=self._tls
-            )
-            self._transports[url] = transport
-        return transport
+        return self._pool.urls
 
     async def _call(
         self,
@@ -157,18 +150,8 @@ class AsyncClient(SessionsMixin):
         key: int | None = None,
         retry: bool = True,
     ) -> T:
-        """Every operation goes through here: replica choice, retries, the deadline.
-
-        ``timeout_s`` is the whole call's budget ("client": the client's ``timeout_s``; None: none).
-        ``retry=False``: one round over the replicas (a stream that cannot be replayed).
-        """
-        return await call_with_retries(
-            lambda url, remaining: op(self._transport(url), remaining),
-            self._replicas,
-            self._policy if retry else RetryPolicy(retries=0),
-            timeout_s=self._timeout_s if timeout_s == "client" else timeout_s,
-            key=key,
-        )
+        """Every operation goes through the pool (``oldlogit.transport.pool``)."""
+        return await self._pool.call(op, timeout_s=timeout_s, key=key, retry=retry)
 
     # ------------------------------------------------------------------ logprobs
 
@@ -370,7 +353,7 @@ class AsyncClient(SessionsMixin):
         scheme = self.urls[0].split("://", 1)[0]
         field = "grpc" if scheme in ("grpc", "grpcs") else "http"
         found = [f"{scheme}://{m[field]}" for m in await self.replicas() if m.get(field)]
-        self._replicas.update(found)
+        self._pool.update(found)
         return self.urls
 
     async def publish(
@@ -545,12 +528,7 @@ class AsyncClient(SessionsMixin):
     # ------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
-        transports, self._transports = list(self._transports.values()), {}
-        for t in transports:
-            try:
-                await t.aclose()
-            except Exception:  # closing must not hide the caller's own exception
-                logger.debug("closing %s failed", t.url, exc_info=True)
+        await self._pool.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

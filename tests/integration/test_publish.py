@@ -108,9 +108,9 @@ def test_an_upload_refused_mid_stream_reports_the_reason_over_grpc(
     the reason, not grpcio's "Internal error from Core" from its failed next write."""
     import asyncio
 
-    from oldlogit._transport import open_transport
     from oldlogit.contract.convert import PublishHeader
     from oldlogit.contract.errors import NotFound, Unauthorized
+    from oldlogit.transport.base import open_transport
 
     async def chunks() -> AsyncIterator[bytes]:
         for _ in range(8):

@@ -24,8 +24,6 @@ import oldlogit.client as client_mod
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
 from oldlogit._publish import SafetensorsStream
-from oldlogit._retry import ReplicaSet, RetryPolicy, call_with_retries
-from oldlogit._transport_http import HttpTransport
 from oldlogit.client import AsyncClient, Client
 from oldlogit.contract import convert, errors, wire
 from oldlogit.contract.convert import PublishHeader
@@ -44,6 +42,8 @@ from oldlogit.contract.types import (
     VersionInfo,
 )
 from oldlogit.contract.weights import safetensors_sha256, weight_sha256
+from oldlogit.transport.http import HttpTransport
+from oldlogit.transport.retry import ReplicaSet, RetryPolicy, call_with_retries
 
 # ---------------------------------------------------------------- retry policy (pure logic)
 
@@ -175,7 +175,7 @@ def test_zero_timeout_is_a_deadline_error() -> None:
 
 
 class FakeTransport:
-    """Implements oldlogit._transport.Transport in memory; ``fail`` holds errors to raise first."""
+    """Implements oldlogit.transport.base.Transport in memory; ``fail``: errors to raise first."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -810,7 +810,7 @@ async def test_grpc_unreachable_replica_fails_over(grpc_server: Any) -> None:
 def test_importing_the_client_does_not_import_torch() -> None:
     code = (
         "import sys, oldlogit, oldlogit.client, oldlogit.contract.wire, oldlogit.contract.convert, "
-        "oldlogit._publish, oldlogit._transport_http, oldlogit._transport_grpc; "
+        "oldlogit._publish, oldlogit.transport.http, oldlogit.transport.grpc; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -820,7 +820,7 @@ def test_importing_the_client_does_not_import_torch() -> None:
 def test_rendezvous_order_is_stable_spread_and_minimal_on_removal() -> None:
     from collections import Counter
 
-    from oldlogit._retry import ReplicaSet
+    from oldlogit.transport.retry import ReplicaSet
 
     urls = [f"grpc://10.0.0.{i}:50051" for i in range(1, 5)]
     a = ReplicaSet(urls)

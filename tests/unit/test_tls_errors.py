@@ -7,8 +7,8 @@ import ssl
 
 import pytest
 
-from oldlogit._tls import ClientTls, tls_error_from_grpc, tls_error_from_ssl
 from oldlogit.contract import errors
+from oldlogit.transport.tls import ClientTls, tls_error_from_grpc, tls_error_from_ssl
 
 URL = "grpcs://127.0.0.1:50051"
 GRPC = (

@@ -47,6 +47,7 @@ from oldlogit.contract.types import (
     TraceRequest,
     TraceStageInfo,
     VersionInfo,
+    check_version,
 )
 from oldlogit.contract.wire import compact_logprobs, expand_logprobs, parse_model, token_ids_int32
 
@@ -230,13 +231,22 @@ def versions_from_proto(msg: pb.ListVersionsResponse) -> tuple[list[VersionInfo]
 
 @dataclass(frozen=True)
 class PublishHeader:
-    """The first message of a Publish stream (the HTTP PUT carries the same as query params)."""
+    """What a publish says besides its bytes: the first message of a Publish stream, the HTTP
+    PUT's query parameters, and (with a path beside it) a publish by path. Checked once, when
+    it is made, wherever that is: a bad field raises ``InvalidRequest`` naming it."""
 
     policy_version: int
     sha256: str | None  # None: the service computes the hash (no end-to-end check)
     delta: bool = False
     parent: int | None = None
     total_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check_version(self.policy_version)
+        if self.parent is not None:
+            check_version(self.parent, "parent")
+            if not self.delta:
+                raise InvalidRequest("parent applies to delta publishes only", parameter="parent")
 
     def to_proto(self) -> pb.PublishChunk:
         header = pb.PublishHeader(
@@ -255,13 +265,18 @@ class PublishHeader:
             raise InvalidRequest(
                 "the first Publish message must carry the header", parameter="header"
             )
-        h = chunk.header
+        return cls.from_fields(chunk.header)
+
+    @classmethod
+    def from_fields(cls, msg: pb.PublishHeader | pb.PublishByPathRequest) -> PublishHeader:
+        """From a message carrying the header's fields (a stream's header, or a publish by
+        path's request)."""
         return cls(
-            policy_version=h.policy_version,
-            sha256=h.sha256 or None,
-            delta=h.delta,
-            parent=h.parent if h.HasField("parent") else None,
-            total_bytes=h.total_bytes,
+            policy_version=msg.policy_version,
+            sha256=msg.sha256 or None,
+            delta=msg.delta,
+            parent=msg.parent if msg.HasField("parent") else None,
+            total_bytes=msg.total_bytes if isinstance(msg, pb.PublishHeader) else 0,
         )
 
 

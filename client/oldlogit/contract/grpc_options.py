@@ -1,7 +1,7 @@
 """The gRPC channel options both ends of a connection agree on: message sizes and keepalive.
 
 In: nothing; out: option tuples for ``grpc.aio`` — ``CHANNEL_OPTIONS`` for the client's
-channels (``oldlogit._transport_grpc``), ``SERVER_OPTIONS`` for the service's server. Plain
+channels (``oldlogit.transport.grpc``), ``SERVER_OPTIONS`` for the service's server. Plain
 constants: this module imports no grpc and opens nothing.
 """
 
@@ -23,7 +23,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),  # a long forward sends no data for a while
-    ("grpc.enable_retries", 0),  # one retry mechanism: the client's oldlogit._retry
+    ("grpc.enable_retries", 0),  # one retry mechanism: oldlogit.transport.retry
 )
 
 # For the server: the same sizes, and it accepts the client's pings during calls.

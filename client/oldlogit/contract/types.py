@@ -9,12 +9,24 @@ raises errors from ``errors`` that name the parameter.
 
 from __future__ import annotations
 
+import math
+import numbers
+import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    model_validator,
+)
 
+from oldlogit.contract.errors import InvalidRequest
 from oldlogit.contract.layout import WeightLayout, WeightSource
 from oldlogit.contract.numerics import NumericsSpec
 
@@ -42,6 +54,22 @@ __all__ = [
 
 NOT_SCORED = -1  # the per-token version that means "not scored" (typically the prompt)
 MAX_VERSION = 2**63 - 1  # the largest policy version: versions travel as int64 (gRPC, msgpack)
+SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def check_version(version: object, parameter: str = "policy_version") -> int:
+    """A policy version as an int in [0, 2**63 - 1] (int64 on every wire), or ``InvalidRequest``
+    naming ``parameter``."""
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, numbers.Integral)
+        or not 0 <= int(version) <= MAX_VERSION
+    ):
+        raise InvalidRequest(
+            f"{parameter} must be an integer in [0, 2**63 - 1], got {version!r}",
+            parameter=parameter,
+        )
+    return int(version)
 
 
 def _as_int_array(value: Any) -> npt.NDArray[np.int64]:
@@ -303,8 +331,17 @@ class LeaseInfo(_Model):
     expires_at: float  # unix seconds
 
 
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+MAX_SESSION_MEMBERS = 4096
+MAX_SESSION_TTL_S = 86400.0
+
+
 class OpenSession(_Model):
-    """Opens a multi-rank publish session (README "Publishing from several ranks")."""
+    """Opens a multi-rank publish session (docs/multi-rank-publishing.md).
+
+    Checked once, here, wherever it is made (the client, the HTTP body, the gRPC message): a
+    bad field raises ``InvalidRequest`` naming it.
+    """
 
     session_id: str
     policy_version: int
@@ -313,6 +350,33 @@ class OpenSession(_Model):
     parent: int | None = None
     sha256: str | None = None  # the whole version's hash, if the caller knows it
     ttl_s: float | None = None  # idle seconds before the session is aborted (default 600)
+
+    @model_validator(mode="after")
+    def _check(self) -> OpenSession:
+        if not SESSION_ID.fullmatch(self.session_id):
+            raise InvalidRequest(
+                "session_id must be 8-64 characters of A-Z a-z 0-9 _ -", parameter="session_id"
+            )
+        check_version(self.policy_version)
+        if self.parent is not None:
+            check_version(self.parent, "parent")
+        if not 1 <= self.members <= MAX_SESSION_MEMBERS:
+            raise InvalidRequest(
+                f"members must be in [1, {MAX_SESSION_MEMBERS}]", parameter="members"
+            )
+        if self.delta and self.parent is None:
+            raise InvalidRequest("a delta session needs its parent", parameter="parent")
+        if not self.delta and self.parent is not None:
+            raise InvalidRequest("parent applies to delta sessions only", parameter="parent")
+        if self.sha256 is not None and not SHA256_HEX.fullmatch(self.sha256):
+            raise InvalidRequest("sha256 must be 64 hex digits", parameter="sha256")
+        if self.ttl_s is not None and not (
+            math.isfinite(self.ttl_s) and 0 < self.ttl_s <= MAX_SESSION_TTL_S
+        ):
+            raise InvalidRequest(
+                f"ttl_s must be in (0, {MAX_SESSION_TTL_S:g}] seconds", parameter="ttl_s"
+            )
+        return self
 
 
 class SessionInfo(_Model):

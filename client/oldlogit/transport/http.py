@@ -18,7 +18,6 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel
 
-from oldlogit._tls import HTTP_OPENER, ClientTls, diagnose, tls_error_from_ssl
 from oldlogit.contract import wire
 from oldlogit.contract.convert import PublishHeader
 from oldlogit.contract.errors import DeadlineExceeded, InternalError, OldLogitError, Unavailable
@@ -34,6 +33,7 @@ from oldlogit.contract.types import (
     TraceRequest,
     VersionInfo,
 )
+from oldlogit.transport.tls import HTTP_OPENER, ClientTls, diagnose, tls_error_from_ssl
 
 __all__ = ["HttpTransport"]
 

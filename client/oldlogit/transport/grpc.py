@@ -2,10 +2,10 @@
 
 In: contract types; out: contract types, or the typed error rebuilt from the status and the
 ``oldlogit-error-bin`` trailing metadata (``convert.error_from_grpc``), translated here at one
-boundary; a failed TLS handshake becomes ``TlsError`` (``oldlogit._tls``), not ``Unavailable``.
+boundary; a failed TLS handshake becomes ``TlsError`` (``tls``), not ``Unavailable``.
 Channel options (message sizes, keepalive) are the contract's, shared with the server
 (``oldlogit.contract.grpc_options``).
-No retries here: gRPC's configurable retries stay off so ``oldlogit._retry`` is the only one.
+No retries here: gRPC's configurable retries stay off so ``retry`` is the only mechanism.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import grpc.aio
 
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
-from oldlogit._tls import GRPC_OPENER, ClientTls, diagnose, tls_error_from_grpc
 from oldlogit.contract import convert
 from oldlogit.contract.convert import PublishHeader
 from oldlogit.contract.grpc_options import CHANNEL_OPTIONS
@@ -36,6 +35,7 @@ from oldlogit.contract.types import (
     TraceRequest,
     VersionInfo,
 )
+from oldlogit.transport.tls import GRPC_OPENER, ClientTls, diagnose, tls_error_from_grpc
 
 __all__ = ["GrpcTransport"]
 

@@ -3,7 +3,7 @@
 In: a replica URL (``http(s)://host:port[/prefix]``, ``grpc(s)://host:port``); out: an object
 with one coroutine per service operation, speaking contract types. Transports translate every
 foreign failure into the contract's error tree (connection failures into ``Unavailable``) and
-never retry: retries and failover live in ``oldlogit._retry``.
+never retry: retries and failover live in ``retry``, driven by ``pool``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from oldlogit._tls import ClientTls
 from oldlogit.contract.convert import PublishHeader
 from oldlogit.contract.errors import InvalidRequest
 from oldlogit.contract.types import (
@@ -27,6 +26,7 @@ from oldlogit.contract.types import (
     TraceRequest,
     VersionInfo,
 )
+from oldlogit.transport.tls import ClientTls
 
 __all__ = ["Transport", "open_transport"]
 
@@ -117,9 +117,9 @@ def open_transport(
     ``tls`` (a private CA, a client certificate) applies to https:// and grpcs:// URLs."""
     scheme = check_url(url)
     if scheme in GRPC_SCHEMES:
-        from oldlogit._transport_grpc import GrpcTransport
+        from oldlogit.transport.grpc import GrpcTransport
 
         return GrpcTransport(url, token=token, tls=tls)
-    from oldlogit._transport_http import HttpTransport
+    from oldlogit.transport.http import HttpTransport
 
     return HttpTransport(url, token=token, encoding=http_encoding, tls=tls)

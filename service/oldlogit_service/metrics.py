@@ -206,7 +206,7 @@ class Metrics:
     def on_load(self, seconds: float, waiting: int) -> None:
         self.load_seconds.observe(seconds)
 
-    def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None:
+    def on_batch(self, items: int, tokens: int, seconds: float) -> None:
         self.batch_tokens.observe(tokens)
         self.batch_seconds.observe(seconds)
         self.tokens.inc(tokens)

@@ -1,6 +1,6 @@
 """Version-aware batching in two stages: loads and forwards never wait on each other.
 
-In: work items (a weights source, one engine job, a future) from the runtime. Out: each future
+In: work items (a weights reference, one engine job, a future) from the runtime. Out: each future
 resolved with the job's logprobs — or, for a trace job, the stages of its forward
 (``Engine.trace``, run beside the batch under the same weights) — or failed with a mapped error.
 A batch never mixes versions.
@@ -9,8 +9,9 @@ batches need device-resident, holding each until its queued work is done (at mos
 ``prefetch`` versions ahead, within the device budget); the **compute stage** (another thread)
 runs batches only of versions already held, so a hot version keeps being served while a cold
 one loads. ``pick_batch`` / ``pick_batch_lagging`` / ``pick_load`` are the pure policies,
-tested with plain deques. Weights sources: a policy version (the store), or the EWMA proxy
-(numbered below 0, always resident).
+tested with plain deques. A job names its weights by ``WeightsRef``: a store version (the load
+stage makes it resident), or a proxy policy's resident tensors (the EWMA average) named by
+their weight hash.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from oldlogit.errors import DeadlineExceeded, InternalError, OldLogitError, Overloaded, Unavailable
+from oldlogit.contract.errors import (
+    DeadlineExceeded,
+    InternalError,
+    OldLogitError,
+    Overloaded,
+    Unavailable,
+)
 
 if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's business
     from typing_extensions import TypeIs
@@ -46,9 +53,46 @@ Result = npt.NDArray[np.float32]  # a scoring job's logprobs
 Stages = list["TraceStage"]  # a trace job's stages, in forward order
 R = TypeVar("R")
 T = TypeVar("T")
+K = TypeVar("K")  # a queue's key: ``WeightsRef`` in the scheduler, anything hashable in tests
 
 # The load stage's scheduling priority relative to the compute stage (Linux nice, per thread).
 LOAD_NICE = 10
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """The weights a job runs under, by reference; the scheduler's queues are keyed by it.
+
+    A store version (``stored``): the load stage makes it device-resident before its batches
+    run. A proxy (``proxy``): tensors resident already (the EWMA average), named by their
+    weight hash, so two requests under the same average share a queue and a batch, and a new
+    average is a new queue. Equality and hashing ignore the tensors themselves.
+    """
+
+    version: int | None  # the store version; None for a proxy
+    sha256: str = ""  # a proxy's weight hash (a stored version is named by its number)
+    tensors: Mapping[str, torch.Tensor] | None = field(
+        default=None, compare=False, hash=False, repr=False
+    )
+
+    @classmethod
+    def stored(cls, version: int) -> WeightsRef:
+        return cls(int(version))
+
+    @classmethod
+    def proxy(cls, sha256: str, tensors: Mapping[str, torch.Tensor]) -> WeightsRef:
+        return cls(None, sha256, tensors)
+
+    @property
+    def loads(self) -> bool:
+        """Whether the load stage brings it in (a store version) or it is resident (a proxy)."""
+        return self.tensors is None
+
+    @property
+    def store_version(self) -> int:
+        if self.version is None:
+            raise ValueError(f"{self!r} is not a store version")
+        return self.version
 
 
 class WeightsSource(Protocol):
@@ -78,7 +122,7 @@ class WeightsSource(Protocol):
 
 @dataclass
 class WorkItem(Generic[R]):
-    version: int  # a policy version, or a proxy source (< 0)
+    weights: WeightsRef
     job: Job
     future: Future[R]  # Result for a scoring job, Stages for a trace job (``job.trace``)
     enqueued_at: float  # time.monotonic()
@@ -111,13 +155,13 @@ class BatchPolicy:
 
 
 def pick_batch(
-    queues: dict[int, deque[Item]],
+    queues: dict[K, deque[Item]],
     *,
-    current: int | None,
+    current: K | None,
     now: float,
     policy: BatchPolicy,
-    ready: set[int] | None = None,
-) -> tuple[int, list[Item]] | None:
+    ready: AbstractSet[K] | None = None,
+) -> tuple[K, list[Item]] | None:
     """Pop the next batch (one version, FIFO within it) from ``queues``; None if none runs.
 
     Only versions in ``ready`` (None: all) are considered. Order: the version the engine used
@@ -137,39 +181,41 @@ def pick_batch(
 
 
 def pick_batch_lagging(
-    queues: dict[int, deque[Item]],
+    queues: dict[WeightsRef, deque[Item]],
     *,
-    current: int | None,
+    current: WeightsRef | None,
     now: float,
     policy: BatchPolicy,
-    ready: set[int] | None = None,
-) -> tuple[int, list[Item]] | None:
+    ready: AbstractSet[WeightsRef] | None = None,
+) -> tuple[WeightsRef, list[Item]] | None:
     """The lagging route's policy: the smallest queued version first, FIFO within it.
 
     The lagging model only moves forward, so serving in version order lets it advance one
     patch at a time; a request for a version it has passed is still served first among what is
-    queued (by the snapshot path). Same signature as ``pick_batch``; ``current``, ``now`` and
-    ``ready`` do not matter here (the lagging model loads in order, in the compute stage).
+    queued (by the snapshot path). Proxy work (resident, outside the version order) runs
+    first. Same signature as ``pick_batch``; ``current``, ``now`` and ``ready`` do not matter
+    here (the lagging model loads in order, in the compute stage).
     """
     del current, now, ready
-    live = [v for v, q in queues.items() if q]
+    live = [w for w, q in queues.items() if q]
     if not live:
         return None
-    version = min(live)
-    return version, _fill(queues, version, policy)
+    proxies = [w for w in live if not w.loads]
+    weights = proxies[0] if proxies else min(live, key=lambda w: w.store_version)
+    return weights, _fill(queues, weights, policy)
 
 
 def pick_load(
-    queues: dict[int, deque[Item]],
+    queues: dict[K, deque[Item]],
     *,
-    held: set[int],
-    running: int | None,
+    held: AbstractSet[K],
+    running: K | None,
     now: float,
     policy: BatchPolicy,
     limit: int,
-    resident: AbstractSet[int] = frozenset(),
-    served: AbstractSet[int] | None = None,
-) -> tuple[int | None, int | None]:
+    resident: AbstractSet[K] = frozenset(),
+    served: AbstractSet[K] | None = None,
+) -> tuple[K | None, K | None]:
     """What the load stage does next: (version to make resident, held version to let go).
 
     The queued version whose oldest item has waited longest and is neither held nor resident
@@ -179,9 +225,10 @@ def pick_load(
     ones. With ``served`` (the held versions a batch has run on since they were loaded), only
     those are let go: a version loaded for queued work is not dropped before that work runs
     (under a saturated queue every item has waited long enough, and loads would replace each
-    other unused). Proxy sources (< 0) are always resident.
+    other unused). ``queues`` holds only work whose weights must be loaded (the scheduler
+    leaves resident proxies out).
     """
-    waiting = [v for v, q in queues.items() if q and v >= 0 and v not in held and v not in resident]
+    waiting = [v for v, q in queues.items() if q and v not in held and v not in resident]
     if not waiting:
         return None, None
     nxt = min(waiting, key=lambda v: queues[v][0].enqueued_at)
@@ -196,7 +243,7 @@ def pick_load(
     return nxt, victim
 
 
-def _fill(queues: dict[int, deque[Item]], version: int, policy: BatchPolicy) -> list[Item]:
+def _fill(queues: dict[K, deque[Item]], version: K, policy: BatchPolicy) -> list[Item]:
     """Pop one version's items, FIFO, within the token budget (at least one)."""
     q = queues[version]
     batch = [q.popleft()]
@@ -212,7 +259,7 @@ def _fill(queues: dict[int, deque[Item]], version: int, policy: BatchPolicy) -> 
 
 class SchedulerObserver(Protocol):
     def on_queue_wait(self, seconds: float) -> None: ...
-    def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None: ...
+    def on_batch(self, items: int, tokens: int, seconds: float) -> None: ...
     def on_load(self, seconds: float, waiting: int) -> None: ...
 
 
@@ -220,7 +267,7 @@ class _NullObserver:
     def on_queue_wait(self, seconds: float) -> None:
         pass
 
-    def on_batch(self, version: int, items: int, tokens: int, seconds: float) -> None:
+    def on_batch(self, items: int, tokens: int, seconds: float) -> None:
         pass
 
     def on_load(self, seconds: float, waiting: int) -> None:
@@ -237,13 +284,17 @@ def map_exception(exc: BaseException) -> OldLogitError:
 
 @dataclass
 class _State:
-    queues: dict[int, deque[Item]] = field(default_factory=dict)
+    queues: dict[WeightsRef, deque[Item]] = field(default_factory=dict)
     depth: int = 0
     queued_tokens: int = 0
     running: bool = False  # a batch is being executed
-    current: int | None = None
-    held: set[int] = field(default_factory=set)  # versions the load stage holds resident
-    served: set[int] = field(default_factory=set)  # held versions a batch has run on since
+    current: WeightsRef | None = None
+    held: set[WeightsRef] = field(default_factory=set)  # versions the load stage holds resident
+    served: set[WeightsRef] = field(default_factory=set)  # held ones a batch has run on since
+
+    def loadable(self) -> dict[WeightsRef, deque[Item]]:
+        """The queues whose weights the load stage brings in (store versions with work)."""
+        return {w: q for w, q in self.queues.items() if q and w.loads}
 
 
 class Scheduler:
@@ -278,7 +329,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._avg_batch_s = 0.05  # running estimate, for Retry-After
-        self._proxies: dict[int, Mapping[str, torch.Tensor]] = {}
         self._compute = threading.Thread(
             target=self._compute_loop, name="oldlogit-compute", daemon=True
         )
@@ -289,55 +339,43 @@ class Scheduler:
 
     # -- producer side -------------------------------------------------------------------
     def submit(
-        self,
-        version: int,
-        job: Job,
-        *,
-        deadline: float | None = None,
-        weights: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+        self, weights: WeightsRef, job: Job, *, deadline: float | None = None
     ) -> Future[Result]:
-        """Queue a job for ``version``; ``weights=(source, tensors)``: run it with these
-        resident weights instead (the EWMA proxy: ``source`` < 0 names them)."""
+        """Queue a scoring job to run under ``weights``."""
         if job.trace:
             raise ValueError("a trace job goes through submit_trace")
         fut: Future[Result] = Future()
-        key, tensors = version, None
-        if weights is not None:
-            key, tensors = weights
-            if key >= 0:
-                raise ValueError("a proxy weights source is numbered below 0")
         item = WorkItem(
-            version=key,
+            weights=weights,
             job=job,
             future=fut,
             enqueued_at=self._clock(),
             deadline=deadline,
             ntokens=int(job.token_ids.shape[0]),
         )
-        self._enqueue(item, tensors)
+        self._enqueue(item)
         return fut
 
     def submit_trace(
-        self, version: int, job: Job, *, deadline: float | None = None
+        self, weights: WeightsRef, job: Job, *, deadline: float | None = None
     ) -> Future[Stages]:
-        """Queue a trace job (``job.trace``) for ``version``: it waits in the version's queue
-        like any job and its future takes the stages of its forward (``Engine.trace``)."""
+        """Queue a trace job (``job.trace``) under ``weights``: it waits in their queue like
+        any job and its future takes the stages of its forward (``Engine.trace``)."""
         if not job.trace:
             raise ValueError("submit_trace takes trace jobs (Job.trace=True)")
         fut: Future[Stages] = Future()
         item = WorkItem(
-            version=version,
+            weights=weights,
             job=job,
             future=fut,
             enqueued_at=self._clock(),
             deadline=deadline,
             ntokens=int(job.token_ids.shape[0]),
         )
-        self._enqueue(item, None)
+        self._enqueue(item)
         return fut
 
-    def _enqueue(self, item: Item, proxy: Mapping[str, torch.Tensor] | None) -> None:
-        key = item.version
+    def _enqueue(self, item: Item) -> None:
         with self._cond:
             if self._closed:
                 raise Unavailable("the service is shutting down", retry_after_s=1.0)
@@ -346,9 +384,7 @@ class Scheduler:
                     f"the queue is full ({self._max_queue} jobs); retry later",
                     retry_after_s=self._retry_after(),
                 )
-            if proxy is not None:
-                self._proxies[key] = proxy
-            self._state.queues.setdefault(key, deque()).append(item)
+            self._state.queues.setdefault(item.weights, deque()).append(item)
             self._state.depth += 1
             self._state.queued_tokens += item.ntokens
             self._cond.notify_all()
@@ -369,9 +405,7 @@ class Scheduler:
         """Queued versions not resident yet (the load stage's backlog)."""
         with self._cond:
             st = self._state
-            return sum(1 for v, q in st.queues.items() if q and v >= 0) - len(
-                self._resident_locked()
-            )
+            return len(st.loadable()) - len(self._resident_locked())
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued job is done (or ``timeout_s``); True when drained."""
@@ -400,8 +434,8 @@ class Scheduler:
             self._loader.join(timeout=10)
         with self._cond:
             held, self._state.held = self._state.held, set()
-        for v in held:
-            self._store.unhold(v)
+        for w in held:
+            self._store.unhold(w.store_version)
 
     # -- load stage ----------------------------------------------------------------------
     def _load_loop(self) -> None:
@@ -416,8 +450,8 @@ class Scheduler:
                         return
                     st = self._state
                     self._release_idle_locked()
-                    version, victim = pick_load(
-                        st.queues,
+                    weights, victim = pick_load(
+                        st.loadable(),
                         held=st.held,
                         running=st.current if st.running else None,
                         now=self._clock(),
@@ -426,53 +460,49 @@ class Scheduler:
                         resident=self._resident_locked(),
                         served=st.served,
                     )
-                    if version is not None:
+                    if weights is not None:
                         break
                     self._cond.wait(0.5 if st.depth == 0 else self._policy.max_switch_delay_s)
                 if victim is not None:
                     st.held.discard(victim)
                     st.served.discard(victim)
-                wanted = {v for v, q in st.queues.items() if q and v >= 0}
+                wanted = {w.store_version for w in st.loadable()}
                 waiting = len(wanted) - len(self._resident_locked())
             if victim is not None:
-                self._store.unhold(victim)
+                self._store.unhold(victim.store_version)
             start = self._clock()
             try:
-                self._store.hold(version, wanted)
+                self._store.hold(weights.store_version, wanted)
             except BaseException as exc:
-                self._fail_version(version, map_exception(exc))
+                self._fail(weights, map_exception(exc))
                 continue
             self._observer.on_load(self._clock() - start, waiting)
             with self._cond:
                 if self._closed:
-                    self._store.unhold(version)
+                    self._store.unhold(weights.store_version)
                     return
-                self._state.held.add(version)
-                self._state.served.discard(version)
+                self._state.held.add(weights)
+                self._state.served.discard(weights)
                 self._cond.notify_all()
 
-    def _resident_locked(self) -> set[int]:
-        """Queued versions whose weights are on the device already (held or not)."""
+    def _resident_locked(self) -> set[WeightsRef]:
+        """Queued store versions whose weights are on the device already (held or not)."""
         st = self._state
-        return {
-            v
-            for v, q in st.queues.items()
-            if q and v >= 0 and (v in st.held or self._store.resident(v))
-        }
+        return {w for w in st.loadable() if w in st.held or self._store.resident(w.store_version)}
 
     def _release_idle_locked(self) -> None:
         """Let go of held versions with no queued work once the compute stage is not on them
         (they stay resident until the LRU needs the room)."""
         st = self._state
         busy = st.current if st.running else None
-        for v in [v for v in st.held if not st.queues.get(v) and v != busy]:
-            st.held.discard(v)
-            st.served.discard(v)
-            self._store.unhold(v)
+        for w in [w for w in st.held if not st.queues.get(w) and w != busy]:
+            st.held.discard(w)
+            st.served.discard(w)
+            self._store.unhold(w.store_version)
 
-    def _fail_version(self, version: int, err: OldLogitError) -> None:
+    def _fail(self, weights: WeightsRef, err: OldLogitError) -> None:
         with self._cond:
-            items = list(self._state.queues.pop(version, ()))
+            items = list(self._state.queues.pop(weights, ()))
             self._state.depth -= len(items)
             self._state.queued_tokens -= sum(it.ntokens for it in items)
             self._cond.notify_all()
@@ -481,7 +511,7 @@ class Scheduler:
                 it.future.set_exception(err)
 
     # -- compute stage -------------------------------------------------------------------
-    def _take(self) -> tuple[int, list[Item]] | None:
+    def _take(self) -> tuple[WeightsRef, list[Item]] | None:
         """Wait for a batch worth running whose weights are resident; None when closed."""
         with self._cond:
             while True:
@@ -501,50 +531,48 @@ class Scheduler:
                     continue
                 ready = None
                 if not self._lagging:  # resident versions run; the others wait for the load stage
-                    ready = self._resident_locked() | {v for v in st.queues if v < 0}
+                    ready = self._resident_locked() | {w for w in st.queues if not w.loads}
                 picked = self._pick(
                     st.queues, current=st.current, now=now, policy=self._policy, ready=ready
                 )
                 if picked is None:  # everything queued is still loading
                     self._cond.wait(0.05)
                     continue
-                version, items = picked
+                weights, items = picked
                 st.depth -= len(items)
                 st.queued_tokens -= sum(it.ntokens for it in items)
                 st.running = True
-                st.current = version
-                if version in st.held:
-                    st.served.add(version)
-                return version, items
+                st.current = weights
+                if weights in st.held:
+                    st.served.add(weights)
+                return weights, items
 
     def _compute_loop(self) -> None:
         while True:
             picked = self._take()
             if picked is None:
                 return
-            version, items = picked
+            weights, items = picked
             try:
-                self._run(version, items)
+                self._run(weights, items)
             finally:
                 with self._cond:
                     self._state.running = False
-                    if version < 0 and version not in self._state.queues:
-                        self._proxies.pop(version, None)
                     self._cond.notify_all()
 
     @contextlib.contextmanager
-    def _weights(self, version: int, requests: int) -> Iterator[Mapping[str, torch.Tensor]]:
-        if version < 0:
-            yield self._proxies[version]
+    def _tensors(self, weights: WeightsRef, requests: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        if weights.tensors is not None:  # a proxy's, resident
+            yield weights.tensors
         elif self._lagging:
-            with self._store.acquire_lagging(version) as w:
+            with self._store.acquire_lagging(weights.store_version) as w:
                 yield w
         else:
             # Held resident by the load stage; each request counts as a use for eviction.
-            with self._store.acquire(version, uses=requests) as w:
+            with self._store.acquire(weights.store_version, uses=requests) as w:
                 yield w
 
-    def _run(self, version: int, items: list[Item]) -> None:
+    def _run(self, ref: WeightsRef, items: list[Item]) -> None:
         now = self._clock()
         live: list[Item] = []
         for it in items:
@@ -565,7 +593,7 @@ class Scheduler:
         outs: list[torch.Tensor] | OldLogitError = []
         stages: list[Stages | OldLogitError] = []
         try:
-            with self._weights(version, len(live)) as weights:
+            with self._tensors(ref, len(live)) as weights:
                 if scoring:
                     jobs = [it.job for it in scoring]
                     outs = _attempt(lambda: self._engine.run(weights, jobs))
@@ -592,4 +620,4 @@ class Scheduler:
                 trace_item.future.set_exception(got)
             else:
                 trace_item.future.set_result(got)
-        self._observer.on_batch(version, len(live), sum(it.ntokens for it in live), elapsed)
+        self._observer.on_batch(len(live), sum(it.ntokens for it in live), elapsed)

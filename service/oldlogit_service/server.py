@@ -1,5 +1,9 @@
-"""Build the runtime from ``Settings`` and run HTTP (uvicorn) and gRPC (grpc.aio) in one loop.
+"""Build every part of a replica from ``Settings`` and run HTTP (uvicorn) and gRPC in one loop.
 
+``build_service`` is the one place the parts are made and wired: the model, the snapshot
+store, the control (local or Redis), the engine and scheduler, the result cache, the EWMA
+proxy, the runtime (data plane), the intake (publishes, sessions) and the auth check; the
+returned ``Service`` also owns the periodic sweeper (lease expiry, retention, idle sessions).
 Shutdown on SIGTERM/SIGINT: not-ready first (``/readyz`` and gRPC health flip), drain the
 queue, then stop both servers. With TLS on, both ports serve ``ServerTls``'s certificates,
 re-read on SIGHUP and every ``tls_reload_interval_s``; ``--health-port`` adds a plain-HTTP port
@@ -19,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ import torch
 import uvicorn
 from torch import Tensor
 
+from oldlogit_service.api.auth import Auth
 from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app, create_health_app
 from oldlogit_service.api.tls import ServerTls
@@ -37,7 +42,8 @@ from oldlogit_service.cluster.replicas import ClusterControl, advertised_address
 from oldlogit_service.config import Settings
 from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS, publish_demo_versions
 from oldlogit_service.demo.tiny import make_tiny_model_dir
-from oldlogit_service.history import sample_forever
+from oldlogit_service.history import History, sample_forever
+from oldlogit_service.metrics import Metrics
 from oldlogit_service.model.checkpoints import load_weights
 from oldlogit_service.model.engine import Engine, measure_fast_mode_deviation, self_check
 from oldlogit_service.model.ewma import EwmaProxy
@@ -47,14 +53,58 @@ from oldlogit_service.model.loaded import (
     load_model,
     resolve_device,
 )
+from oldlogit_service.publishing.intake import Intake
 from oldlogit_service.runtime import Runtime
+from oldlogit_service.scheduler import BatchPolicy, Scheduler
 from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.validate import Limits
 
 logger = logging.getLogger(__name__)
 
 
-def build_runtime(settings: Settings) -> Runtime:
-    """Load the architecture, open the snapshot store, seed version 0 / the demo versions."""
+@dataclass
+class Service:
+    """One replica's parts, built by ``build_service``; ``start`` joins the deployment and
+    starts the sweeper, ``close`` stops them and fails whatever is still queued."""
+
+    settings: Settings
+    runtime: Runtime
+    intake: Intake
+    auth: Auth
+    control: Control
+    store: SnapshotStore
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _sweeper: threading.Thread | None = None
+
+    def start(self, *, http: str, grpc: str) -> None:
+        """Join the deployment (membership lists these addresses) and start the sweeper."""
+        self.control.start(http=http, grpc=grpc, queue_depth=lambda: self.runtime.scheduler.depth)
+        self._sweeper = threading.Thread(
+            target=self._sweep_loop, name="oldlogit-sweeper", daemon=True
+        )
+        self._sweeper.start()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.settings.sweep_interval_s):
+            try:
+                self.control.sweep()
+                self.intake.sessions.sweep()
+            except Exception:
+                logger.exception("the periodic sweep failed; the next one retries")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=10)
+            if self._sweeper.is_alive():
+                logger.warning("the sweeper did not stop within 10 s")
+        self.runtime.close()
+        self.control.stop()
+
+
+def build_service(settings: Settings) -> Service:
+    """Load the architecture, open the snapshot store, seed version 0 / the demo versions, and
+    build the parts that serve them."""
     device = resolve_device(settings.device)
     dtype = dtype_from_name(settings.dtype)
     if settings.demo:
@@ -128,9 +178,45 @@ def build_runtime(settings: Settings) -> Runtime:
     if settings.ewma_beta is not None:
         ewma = EwmaProxy(model, beta=settings.ewma_beta, state_dir=settings.snapshot_dir / "ewma")
         ewma.catch_up(store)  # versions published before (or while it was off)
-    return Runtime(
-        settings, model, store, engine, cache, control, ewma=ewma, fast_deviation=fast_deviation
+    metrics = Metrics()
+    scheduler = Scheduler(
+        engine,
+        store,
+        policy=BatchPolicy(
+            max_batch_tokens=settings.max_batch_tokens,
+            max_wait_s=settings.max_wait_ms / 1000.0,
+        ),
+        max_queue=settings.max_queue,
+        observer=metrics,
+        strategy=settings.strategy,
     )
+    limits = Limits(
+        vocab_size=model.vocab_size,
+        max_seq_len=min(settings.max_seq_len or model.max_positions, model.max_positions),
+        max_tokens_per_request=settings.max_tokens_per_request,
+        max_sequences_per_request=settings.max_sequences_per_request,
+    )
+    runtime = Runtime(
+        settings,
+        model,
+        store,
+        scheduler,
+        cache,
+        control,
+        limits=limits,
+        metrics=metrics,
+        history=History(),
+        ewma=ewma,
+        fast_deviation=fast_deviation,
+    )
+    intake = Intake(settings, model, store, metrics, ewma=ewma)
+    return Service(settings, runtime, intake, Auth(settings), control, store)
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    """The data plane alone, in process (tests, notebooks): ``build_service``'s runtime, with
+    no transport and no sweeper; publish through its ``store``, close with ``close()``."""
+    return build_service(settings).runtime
 
 
 @contextlib.contextmanager
@@ -235,8 +321,8 @@ async def _reload_tls(tls: ServerTls, interval_s: float, wake: asyncio.Event) ->
 async def serve(
     settings: Settings,
     *,
-    runtime: Runtime | None = None,
-    on_ready: Callable[[Bound, Runtime], None] | None = None,
+    service: Service | None = None,
+    on_ready: Callable[[Bound, Service], None] | None = None,
     stop: asyncio.Event | None = None,
     install_signals: bool = True,
     tls: ServerTls | None = None,
@@ -247,9 +333,8 @@ async def serve(
     file fails at once); None loads them from ``settings`` when TLS is configured.
     """
     tls = tls or server_tls(settings)  # before the model: a bad file fails at once
-    rt: Runtime = (
-        runtime if runtime is not None else await asyncio.to_thread(build_runtime, settings)
-    )
+    svc = service if service is not None else await asyncio.to_thread(build_service, settings)
+    rt = svc.runtime
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     reload_now = asyncio.Event()
@@ -262,7 +347,7 @@ async def serve(
                 loop.add_signal_handler(signal.SIGHUP, reload_now.set)
     servers: list[tuple[_Uvicorn, asyncio.Task[None]]] = []
     ports: dict[str, int] = {}
-    apps = [("http", settings.http_port, create_app(rt), tls)]
+    apps = [("http", settings.http_port, create_app(rt, svc.intake, svc.auth), tls)]
     if settings.health_port is not None:
         apps.append(("health", settings.health_port, create_health_app(rt), None))
     for name, port, app, app_tls in apps:
@@ -281,7 +366,7 @@ async def serve(
         server = _Uvicorn(config)
         servers.append((server, asyncio.create_task(server.serve(sockets=[sock]))))
     grpc_server, grpc_port, health = await start_grpc_server(
-        rt, settings.host, settings.grpc_port, tls
+        rt, svc.intake, svc.auth, settings.host, settings.grpc_port, tls
     )
     sampler = asyncio.create_task(sample_forever(rt.history, rt.metrics.registry))
     reloader = (
@@ -301,12 +386,12 @@ async def serve(
         health=f"{host}:{ports['health']}" if "health" in ports else None,
     )
     # The membership lists where others reach us, not where we bound (0.0.0.0 is no address).
-    rt.start(
+    svc.start(
         http=advertised_address(settings.host, ports["http"], settings.advertise_host),
         grpc=advertised_address(settings.host, grpc_port, settings.advertise_host),
     )
     if on_ready is not None:
-        on_ready(bound, rt)
+        on_ready(bound, svc)
     try:
         await stop.wait()
     finally:
@@ -325,21 +410,21 @@ async def serve(
         sampler.cancel()
         if reloader is not None:
             reloader.cancel()
-        rt.close()
+        svc.close()
 
 
 class ServerThread:
     """Runs ``serve`` on a background thread; for tests, benchmarks and notebooks."""
 
-    def __init__(self, settings: Settings, runtime: Runtime | None = None) -> None:
+    def __init__(self, settings: Settings, service: Service | None = None) -> None:
         self.settings = settings
-        self._runtime = runtime
+        self._service = service
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.bound: Bound | None = None
-        self.runtime: Runtime | None = None
+        self.service: Service | None = None
         self._tls: ServerTls | None = None
         self._thread = threading.Thread(target=self._main, name="oldlogit-server", daemon=True)
 
@@ -348,14 +433,14 @@ class ServerThread:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
 
-            def ready(b: Bound, rt: Runtime) -> None:
-                self.bound, self.runtime = b, rt
+            def ready(b: Bound, svc: Service) -> None:
+                self.bound, self.service = b, svc
                 self._ready.set()
 
             self._tls = server_tls(self.settings)
             await serve(
                 self.settings,
-                runtime=self._runtime,
+                service=self._service,
                 on_ready=ready,
                 stop=self._stop,
                 install_signals=False,
@@ -375,6 +460,11 @@ class ServerThread:
         if self._error is not None:
             raise self._error
         return self
+
+    @property
+    def runtime(self) -> Runtime:
+        assert self.service is not None, "not started"
+        return self.service.runtime
 
     @property
     def http_url(self) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     BadSampling,
     InvalidRequest,
     LimitExceeded,
@@ -23,7 +23,7 @@ from oldlogit.errors import (
     SequenceTooLong,
     TokenOutOfVocab,
 )
-from oldlogit.types import (
+from oldlogit.contract.types import (
     MAX_VERSION,
     NOT_SCORED,
     LogprobsRequest,

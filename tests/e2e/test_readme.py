@@ -71,7 +71,7 @@ def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
         "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
         "from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS\n"
-        "from oldlogit_service.model.loaded import make_tiny_model_dir\n"
+        "from oldlogit_service.demo.tiny import make_tiny_model_dir\n"
         f"_d = make_tiny_model_dir({str(tmp_path / 'm')!r}, **DEMO_MODEL_KWARGS)\n"
         "model = AutoModelForCausalLM.from_pretrained(_d, dtype=torch.bfloat16)\n"
     )

@@ -12,8 +12,8 @@ import pytest
 
 from oldlogit import Client
 from oldlogit.contract import errors
+from oldlogit_service.api.auth import Auth
 from oldlogit_service.config import Settings
-from oldlogit_service.runtime import Runtime
 
 from .conftest import WRITE_TOKEN, Served, start_served
 
@@ -156,22 +156,21 @@ def test_tokens_are_never_shown(guarded: Served) -> None:
 
 def test_without_write_token_writes_are_loopback_only(tmp_path: Path, model_dir: Path) -> None:
     settings = Settings(model=model_dir, snapshot_dir=tmp_path / "s")
-    authorize = Runtime.authorize
-    holder = type("H", (), {"settings": settings})()
-    authorize(holder, write=True, token=None, peer="127.0.0.1")  # type: ignore[arg-type]
-    authorize(holder, write=True, token=None, peer="::1")  # type: ignore[arg-type]
+    authorize = Auth(settings).check
+    authorize(write=True, token=None, peer="127.0.0.1")
+    authorize(write=True, token=None, peer="::1")
     with pytest.raises(errors.Forbidden) as info:
-        authorize(holder, write=True, token=None, peer="10.1.2.3")  # type: ignore[arg-type]
+        authorize(write=True, token=None, peer="10.1.2.3")
     assert info.value.parameter == "authorization"
-    authorize(holder, write=False, token=None, peer="10.1.2.3")  # type: ignore[arg-type]
+    authorize(write=False, token=None, peer="10.1.2.3")
     # With TLS on, loopback is no exemption (a TLS proxy beside the server is loopback too).
     tls_settings = settings.model_copy(
         update={"tls_cert_file": tmp_path / "c.pem", "tls_key_file": tmp_path / "k.pem"}
     )
-    tls_holder = type("H", (), {"settings": tls_settings})()
+    tls_authorize = Auth(tls_settings).check
     with pytest.raises(errors.Forbidden):
-        authorize(tls_holder, write=True, token=None, peer="127.0.0.1")  # type: ignore[arg-type]
-    authorize(tls_holder, write=False, token=None, peer="127.0.0.1")  # type: ignore[arg-type]
+        tls_authorize(write=True, token=None, peer="127.0.0.1")
+    tls_authorize(write=False, token=None, peer="127.0.0.1")
     # Over the wire from loopback (the test's own address), a write goes through.
     (tmp_path / "x").mkdir()
     s = start_served(tmp_path / "x", model_dir, write_token=None)

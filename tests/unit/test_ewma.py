@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit.errors import InvalidRequest, UnknownVersion, VersionEvicted
-from oldlogit.types import LogprobsRequest, Sampling, Sequence
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.errors import InvalidRequest, UnknownVersion, VersionEvicted
+from oldlogit.contract.types import LogprobsRequest, Sampling, Sequence
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.config import Settings
 from oldlogit_service.demo.deployment import demo_versions
 from oldlogit_service.model.checkpoints import load_weights
@@ -24,7 +24,7 @@ from oldlogit_service.model.loaded import load_model
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs
 from oldlogit_service.runtime import Runtime
-from oldlogit_service.server import build_runtime
+from oldlogit_service.server import Service, build_service
 
 BETA = 0.7
 
@@ -157,9 +157,13 @@ def test_state_with_other_beta_or_corrupt_is_rebuilt(loaded: Any, tmp_path: Path
 # ------------------------------------------------------------------------------ the runtime
 
 
-def _runtime(model_dir: Path, snap: Path, **kw: Any) -> Runtime:
+def _service(model_dir: Path, snap: Path, **kw: Any) -> Service:
     settings = Settings(model=model_dir, snapshot_dir=snap, max_wait_ms=1.0, dtype="bfloat16", **kw)
-    return build_runtime(settings)
+    return build_service(settings)
+
+
+def _runtime(model_dir: Path, snap: Path, **kw: Any) -> Runtime:
+    return _service(model_dir, snap, **kw).runtime
 
 
 def _req(ids: list[int], version: int, **kw: Any) -> LogprobsRequest:
@@ -171,14 +175,15 @@ def _req(ids: list[int], version: int, **kw: Any) -> LogprobsRequest:
 
 
 def test_runtime_proxy_and_fallback(tiny_model_dir: Path, tmp_path: Path) -> None:
-    rt = _runtime(tiny_model_dir, tmp_path / "snap", ewma_beta=BETA)
+    svc = _service(tiny_model_dir, tmp_path / "snap", ewma_beta=BETA)
+    rt = svc.runtime
 
     async def go() -> str:
         base = load_weights(tiny_model_dir, rt.model)
         assert base is not None
         vs = demo_versions(base, 4)  # vs[0] is version 0, already published at start-up
-        for v in range(1, 4):
-            await rt.publish_weights(v, vs[v], sha256=None)
+        for v in range(1, 4):  # each publish folds the version into the average
+            await svc.intake.publish_weights(v, vs[v], sha256=None)
         assert rt.ewma is not None and rt.ewma.last_version == 3
         # The EWMA of the four versions (folded in publish order), cast to bfloat16.
         want_acc = _closed_form(vs, BETA)

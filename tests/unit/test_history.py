@@ -87,13 +87,13 @@ async def test_sampler_reads_a_real_registry_until_cancelled() -> None:
     )
     state = ServiceState(store, CacheStats(hits=1, misses=3), 2, 0, 0, True, {})
     m.attach_state(lambda: state)
-    m.on_batch(version=0, items=1, tokens=64, seconds=0.01)
+    m.on_batch(items=1, tokens=64, seconds=0.01)
     read = read_registry(m.registry)
     assert read["oldlogit_tokens_total"] == 64 and read["oldlogit_queue_depth"] == 2
     h = History(interval_s=0.02, keep_s=1.0)
     task = asyncio.create_task(sample_forever(h, m.registry))
     await asyncio.sleep(0.15)
-    m.on_batch(version=0, items=1, tokens=1000, seconds=0.01)
+    m.on_batch(items=1, tokens=1000, seconds=0.01)
     await asyncio.sleep(0.15)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

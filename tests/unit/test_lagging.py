@@ -18,14 +18,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from oldlogit.errors import VersionEvicted
-from oldlogit.types import LogprobsRequest, Sequence
+from oldlogit.contract.errors import VersionEvicted
+from oldlogit.contract.types import LogprobsRequest, Sequence
 from oldlogit_service.config import Settings
 from oldlogit_service.demo.deployment import demo_versions
 from oldlogit_service.model.checkpoints import load_weights
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs_versions
-from oldlogit_service.scheduler import BatchPolicy, Scheduler, WorkItem, pick_batch_lagging
+from oldlogit_service.scheduler import (
+    BatchPolicy,
+    Scheduler,
+    WeightsRef,
+    WorkItem,
+    pick_batch_lagging,
+)
 from oldlogit_service.server import build_runtime
 
 from .test_scheduler_loop import FakeEngine, job
@@ -34,7 +40,7 @@ from .test_store_delta import assert_all_served, open_store, same, trace
 
 def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
     return WorkItem(
-        version=version,
+        weights=WeightsRef.stored(version),
         job=Any,  # type: ignore[arg-type]
         future=Future(),
         enqueued_at=t,
@@ -44,14 +50,15 @@ def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
 
 def test_pick_batch_lagging_is_version_order_fifo_within() -> None:
     policy = BatchPolicy(max_batch_tokens=25, max_wait_s=0.0)
-    q: dict[int, deque[WorkItem]] = {}
+    q: dict[WeightsRef, deque[WorkItem]] = {}
     for it in (item(7, 0.0), item(3, 0.1), item(5, 0.2), item(3, 0.3), item(3, 0.4)):
-        q.setdefault(it.version, deque()).append(it)
+        q.setdefault(it.weights, deque()).append(it)
     order = []
-    while (picked := pick_batch_lagging(q, current=7, now=9.0, policy=policy)) is not None:
-        v, batch = picked
-        assert all(it.version == v for it in batch) and sum(it.ntokens for it in batch) <= 25
-        order.append((v, [it.enqueued_at for it in batch]))
+    current = WeightsRef.stored(7)
+    while (picked := pick_batch_lagging(q, current=current, now=9.0, policy=policy)) is not None:
+        w, batch = picked
+        assert all(it.weights == w for it in batch) and sum(it.ntokens for it in batch) <= 25
+        order.append((w.version, [it.enqueued_at for it in batch]))
     # The oldest item (version 7) waits: the lagging model only moves forward.
     assert order == [(3, [0.1, 0.3]), (3, [0.4]), (5, [0.2]), (7, [0.0])]
     assert pick_batch_lagging({}, current=None, now=0.0, policy=policy) is None
@@ -79,12 +86,12 @@ def test_loop_serves_queued_requests_in_version_order() -> None:
     )
     try:
         engine.gate.clear()  # hold the first batch so the rest queue up
-        first = sched.submit(0, job(0))
+        first = sched.submit(WeightsRef.stored(0), job(0))
         deadline = time.monotonic() + 10
         while sched.depth and time.monotonic() < deadline:  # the loop took it
             time.sleep(0.001)
         versions = [6, 2, 9, 4, 2, 8, 1, 4]
-        futs = [sched.submit(v, job(i + 1)) for i, v in enumerate(versions)]
+        futs = [sched.submit(WeightsRef.stored(v), job(i + 1)) for i, v in enumerate(versions)]
         engine.gate.set()
         first.result(10)
         for i, (v, f) in enumerate(zip(versions, futs, strict=True)):
@@ -205,7 +212,7 @@ def test_lagging_loop_with_real_store_concurrent_clients(tmp_path: Path) -> None
             rng = random.Random(seed)
             for _ in range(10):
                 v = rng.randrange(8)
-                out = sched.submit(v, job(1)).result(30)
+                out = sched.submit(WeightsRef.stored(v), job(1)).result(30)
                 with lock:
                     results.append((v, float(out[0])))
 

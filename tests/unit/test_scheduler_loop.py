@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from oldlogit.errors import DeadlineExceeded, InternalError, Overloaded, UnknownVersion
+from oldlogit.contract.errors import DeadlineExceeded, InternalError, Overloaded, UnknownVersion
 from oldlogit_service.model.engine import Job
 from oldlogit_service.model.numerics import SamplingParams
-from oldlogit_service.scheduler import BatchPolicy, Scheduler
+from oldlogit_service.scheduler import BatchPolicy, Scheduler, WeightsRef
 
 
 class FakeStore:
@@ -91,7 +91,9 @@ def test_results_route_back_and_batches_never_mix_versions() -> None:
     engine = FakeEngine()
     sched, _ = make(engine)
     try:
-        futs = [(v, t, sched.submit(v, job(t))) for t in range(30) for v in (1, 2, 3)]
+        futs = [
+            (v, t, sched.submit(WeightsRef.stored(v), job(t))) for t in range(30) for v in (1, 2, 3)
+        ]
         for v, t, f in futs:
             assert f.result(10).tolist() == [float(v * 1000 + t)] * 3
         assert all(tags for _, tags in engine.calls)
@@ -107,10 +109,10 @@ def test_cancelled_requests_are_dropped() -> None:
     engine.gate.clear()  # hold the first batch so the rest queue up
     sched, _ = make(engine, max_wait_s=0.0, max_batch_tokens=4)
     try:
-        first = sched.submit(1, job(0))
+        first = sched.submit(WeightsRef.stored(1), job(0))
         time.sleep(0.05)
-        doomed = [sched.submit(1, job(t)) for t in range(1, 6)]
-        kept = sched.submit(1, job(9))
+        doomed = [sched.submit(WeightsRef.stored(1), job(t)) for t in range(1, 6)]
+        kept = sched.submit(WeightsRef.stored(1), job(9))
         for f in doomed:
             assert f.cancel()
         engine.gate.set()
@@ -127,9 +129,9 @@ def test_expired_deadline_fails_without_running() -> None:
     engine.gate.clear()
     sched, _ = make(engine, max_wait_s=0.0, max_batch_tokens=4)
     try:
-        blocker = sched.submit(1, job(0))
+        blocker = sched.submit(WeightsRef.stored(1), job(0))
         time.sleep(0.05)
-        late = sched.submit(1, job(5), deadline=time.monotonic() + 0.01)
+        late = sched.submit(WeightsRef.stored(1), job(5), deadline=time.monotonic() + 0.01)
         time.sleep(0.05)
         engine.gate.set()
         with pytest.raises(DeadlineExceeded):
@@ -145,12 +147,12 @@ def test_bounded_queue_answers_overloaded_with_retry_after() -> None:
     engine.gate.clear()
     sched, _ = make(engine, max_queue=3, max_wait_s=0.0, max_batch_tokens=4)
     try:
-        sched.submit(1, job(0))
+        sched.submit(WeightsRef.stored(1), job(0))
         time.sleep(0.05)  # taken by the worker, now blocked in the engine
         for t in range(3):
-            sched.submit(1, job(t))
+            sched.submit(WeightsRef.stored(1), job(t))
         with pytest.raises(Overloaded) as info:
-            sched.submit(1, job(7))
+            sched.submit(WeightsRef.stored(1), job(7))
         assert info.value.retry_after_s > 0
     finally:
         engine.gate.set()
@@ -161,15 +163,15 @@ def test_failed_batch_fails_its_requests_and_the_loop_lives_on() -> None:
     engine = FakeEngine(fail=True)
     sched, _ = make(engine)
     try:
-        bad = [sched.submit(1, job(t)) for t in range(3)]
+        bad = [sched.submit(WeightsRef.stored(1), job(t)) for t in range(3)]
         for f in bad:
             with pytest.raises(InternalError):
                 f.result(10)
-        missing = sched.submit(404, job(1))
+        missing = sched.submit(WeightsRef.stored(404), job(1))
         with pytest.raises(UnknownVersion):
             missing.result(10)
         engine.fail = False
-        assert sched.submit(2, job(3)).result(10).tolist()[0] == 2003.0
+        assert sched.submit(WeightsRef.stored(2), job(3)).result(10).tolist()[0] == 2003.0
     finally:
         sched.close()
 
@@ -179,13 +181,17 @@ def test_trace_jobs_ride_the_version_queue_and_fail_alone() -> None:
     sched, store = make(engine)
     try:
         engine.gate.clear()
-        blocker = sched.submit(2, job(0))
+        blocker = sched.submit(WeightsRef.stored(2), job(0))
         end = time.monotonic() + 10
         while not sched._state.running and time.monotonic() < end:  # the blocker is running:
             time.sleep(0.005)  # what follows queues up and goes as one batch of version 1
-        scored = sched.submit(1, job(5))
-        traced = sched.submit_trace(1, Job(torch.tensor([7, 1, 1]), torch.arange(1, 3), trace=True))
-        unlucky = sched.submit_trace(1, Job(torch.tensor([13, 1]), torch.arange(1, 2), trace=True))
+        scored = sched.submit(WeightsRef.stored(1), job(5))
+        traced = sched.submit_trace(
+            WeightsRef.stored(1), Job(torch.tensor([7, 1, 1]), torch.arange(1, 3), trace=True)
+        )
+        unlucky = sched.submit_trace(
+            WeightsRef.stored(1), Job(torch.tensor([13, 1]), torch.arange(1, 2), trace=True)
+        )
         engine.gate.set()
         blocker.result(10)
         assert scored.result(10).tolist()[0] == 1005.0  # a neighbour's failure is not its own
@@ -195,9 +201,11 @@ def test_trace_jobs_ride_the_version_queue_and_fail_alone() -> None:
         assert (1, [5]) in engine.calls and (1, [-7]) in engine.calls
         assert store.acquired.count(1) == 1  # one acquire of the weights for the batch and traces
         with pytest.raises(ValueError, match="submit_trace"):
-            sched.submit(1, Job(torch.tensor([1, 2]), torch.arange(1, 2), trace=True))
+            sched.submit(
+                WeightsRef.stored(1), Job(torch.tensor([1, 2]), torch.arange(1, 2), trace=True)
+            )
         with pytest.raises(ValueError, match="trace"):
-            sched.submit_trace(1, job(1))
+            sched.submit_trace(WeightsRef.stored(1), job(1))
     finally:
         sched.close()
 
@@ -205,14 +213,14 @@ def test_trace_jobs_ride_the_version_queue_and_fail_alone() -> None:
 def test_drain_waits_for_queued_work_and_close_fails_the_rest() -> None:
     engine = FakeEngine(delay_s=0.02)
     sched, _ = make(engine, max_batch_tokens=4)
-    futs = [sched.submit(1, job(t)) for t in range(10)]
+    futs = [sched.submit(WeightsRef.stored(1), job(t)) for t in range(10)]
     assert sched.drain(10)
     assert all(f.done() and f.exception() is None for f in futs)
     sched.close()
-    from oldlogit.errors import Unavailable
+    from oldlogit.contract.errors import Unavailable
 
     with pytest.raises(Unavailable):
-        sched.submit(1, job(1))
+        sched.submit(WeightsRef.stored(1), job(1))
 
 
 def test_version_switches_are_minimised() -> None:
@@ -220,9 +228,11 @@ def test_version_switches_are_minimised() -> None:
     engine.gate.clear()
     sched, store = make(engine, max_wait_s=0.0, max_batch_tokens=8)
     try:
-        sched.submit(1, job(0))
+        sched.submit(WeightsRef.stored(1), job(0))
         time.sleep(0.05)
-        futs = [sched.submit(v, job(t)) for t in range(1, 9) for v in (1, 2)]  # interleaved
+        futs = [
+            sched.submit(WeightsRef.stored(v), job(t)) for t in range(1, 9) for v in (1, 2)
+        ]  # interleaved
         engine.gate.set()
         for f in futs:
             f.result(10)
@@ -260,9 +270,9 @@ def test_a_hot_version_is_served_while_a_cold_one_loads() -> None:
         max_queue=100,
     )
     try:
-        cold = sched.submit(9, job(0))
+        cold = sched.submit(WeightsRef.stored(9), job(0))
         time.sleep(0.05)  # the loader is now stuck loading 9
-        hot = [sched.submit(1, job(t)) for t in range(1, 6)]
+        hot = [sched.submit(WeightsRef.stored(1), job(t)) for t in range(1, 6)]
         for t, f in enumerate(hot, start=1):
             assert f.result(5).tolist()[0] == 1000.0 + t
         assert not cold.done()
@@ -280,8 +290,8 @@ def test_a_failed_load_fails_that_version_only() -> None:
     engine = FakeEngine()
     sched, _ = make(engine, max_wait_s=0.0)
     try:
-        missing = [sched.submit(404, job(t)) for t in range(3)]
-        fine = sched.submit(2, job(7))
+        missing = [sched.submit(WeightsRef.stored(404), job(t)) for t in range(3)]
+        fine = sched.submit(WeightsRef.stored(2), job(7))
         for f in missing:
             with pytest.raises(UnknownVersion):
                 f.result(10)
@@ -292,24 +302,25 @@ def test_a_failed_load_fails_that_version_only() -> None:
 
 
 def test_proxy_weights_run_through_the_same_queue() -> None:
-    """An EWMA-style source (numbered below 0) is batched, bounded and deadline-checked like
-    a version, with its own resident weights."""
+    """An EWMA-style proxy (resident tensors named by their hash) is batched, bounded and
+    deadline-checked like a version, with its own resident weights."""
     engine = FakeEngine()
     engine.gate.clear()
     sched, store = make(engine, max_queue=2, max_wait_s=0.0, max_batch_tokens=4)
+    proxy = WeightsRef.proxy("ewma-77", {"version": 77})
     try:
-        blocker = sched.submit(1, job(0))
+        blocker = sched.submit(WeightsRef.stored(1), job(0))
         time.sleep(0.05)
-        proxied = sched.submit(1, job(3), weights=(-1, {"version": 77}))
-        sched.submit(1, job(4), weights=(-1, {"version": 77}))
+        proxied = sched.submit(proxy, job(3))
+        sched.submit(WeightsRef.proxy("ewma-77", {"version": 77}), job(4))
         with pytest.raises(Overloaded):
-            sched.submit(1, job(5), weights=(-1, {"version": 77}))  # the queue bound holds
+            sched.submit(proxy, job(5))  # the queue bound holds
         with pytest.raises(ValueError):
-            sched.submit(1, job(6), weights=(3, {"version": 3}))
+            _ = proxy.store_version  # a proxy is never a store version
         engine.gate.set()
         assert proxied.result(10).tolist()[0] == 77003.0  # ran with the proxy's weights
         blocker.result(10)
-        assert -1 not in store.held and -1 not in store.acquired  # never loaded from the store
+        assert store.held == [1] and store.acquired == [1]  # the proxy never came from the store
     finally:
         engine.gate.set()
         sched.close()

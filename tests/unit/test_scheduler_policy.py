@@ -8,12 +8,19 @@ from typing import Any
 
 import pytest
 
-from oldlogit_service.scheduler import BatchPolicy, WorkItem, pick_batch, pick_load
+from oldlogit_service.scheduler import (
+    BatchPolicy,
+    WeightsRef,
+    WorkItem,
+    _State,
+    pick_batch,
+    pick_load,
+)
 
 
 def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
     return WorkItem(
-        version=version,
+        weights=WeightsRef.stored(version),
         job=Any,
         future=Future(),
         enqueued_at=t,  # type: ignore[arg-type]
@@ -24,7 +31,7 @@ def item(version: int, t: float, ntokens: int = 10) -> WorkItem:
 def queues(*items: WorkItem) -> dict[int, deque[WorkItem]]:
     q: dict[int, deque[WorkItem]] = {}
     for it in items:
-        q.setdefault(it.version, deque()).append(it)
+        q.setdefault(it.weights.store_version, deque()).append(it)
     return q
 
 
@@ -39,7 +46,7 @@ def test_never_mixes_versions_and_respects_token_budget() -> None:
     q = queues(item(1, 0.0), item(2, 0.1), item(1, 0.2), item(1, 0.3))
     v, batch = pick_batch(q, current=None, now=0.5, policy=POLICY)  # type: ignore[misc]
     assert v == 1
-    assert [b.version for b in batch] == [1, 1]  # 10 + 10 <= 25 < 30
+    assert [b.weights.version for b in batch] == [1, 1]  # 10 + 10 <= 25 < 30
     assert [b.enqueued_at for b in batch] == [0.0, 0.2]  # FIFO within a version
 
 
@@ -96,14 +103,14 @@ def test_every_item_is_served_exactly_once(seed: int) -> None:
         if picked is None:
             break
         current, batch = picked
-        assert all(b.version == current for b in batch)
+        assert all(b.weights.version == current for b in batch)
         assert len(batch) == 1 or sum(b.ntokens for b in batch) <= POLICY.max_batch_tokens
         seen.extend(batch)
     assert sorted(map(id, seen)) == sorted(map(id, items))
 
 
 def test_load_policy_oldest_first_within_the_limit() -> None:
-    q = queues(item(3, 0.2), item(2, 0.1), item(1, 0.0), item(-1, 0.0))
+    q = queues(item(3, 0.2), item(2, 0.1), item(1, 0.0))
     pol = POLICY
     assert pick_load(q, held=set(), running=None, now=0.3, policy=pol, limit=2) == (1, None)
     assert pick_load(q, held={1}, running=None, now=0.3, policy=pol, limit=2) == (2, None)
@@ -112,10 +119,13 @@ def test_load_policy_oldest_first_within_the_limit() -> None:
     # ... then let go of a held version other than the running one for it.
     assert pick_load(q, held={1, 2}, running=1, now=1.5, policy=pol, limit=2) == (3, 2)
     assert pick_load(q, held={1}, running=1, now=1.5, policy=pol, limit=1) == (None, None)
-    # Proxy sources (< 0) are resident already; nothing queued: nothing to load.
-    assert pick_load(
-        queues(item(-1, 0.0)), held=set(), running=None, now=9, policy=pol, limit=2
-    ) == (None, None)
+    # A proxy's weights are resident already: the scheduler hands the policy only the queues
+    # of store versions, so a queued proxy alone leaves nothing to load.
+    proxied = _State(queues={WeightsRef.proxy("ewma", {}): deque([item(1, 0.0)])})
+    assert pick_load(proxied.loadable(), held=set(), running=None, now=9, policy=pol, limit=2) == (
+        None,
+        None,
+    )
 
 
 def test_ready_restricts_the_batch_policy() -> None:

@@ -1,4 +1,4 @@
-"""gRPC transport (grpc.aio): each method converts, calls ``Runtime``, converts back.
+"""gRPC transport (grpc.aio): each method converts, calls the runtime or the intake, converts back.
 
 One interceptor authorises every call before its handler runs (and before a malformed body is
 reported), maps every error of the tree to its status code, with the error payload in the
@@ -20,16 +20,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from oldlogit import convert
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
-from oldlogit._transport_grpc import SERVER_OPTIONS
-from oldlogit.errors import (
+from oldlogit.contract import convert
+from oldlogit.contract.errors import (
     InternalError,
     InvalidRequest,
     OldLogitError,
 )
+from oldlogit.contract.grpc_options import SERVER_OPTIONS
+from oldlogit.contract.types import OpenSession
+from oldlogit_service.api.auth import Auth
 from oldlogit_service.api.tls import ServerTls
+from oldlogit_service.metrics import Metrics
+from oldlogit_service.publishing.intake import Intake
 from oldlogit_service.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -137,11 +141,12 @@ async def _drain(stream: AsyncIterator[Any]) -> None:
 class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Auth, error mapping and metrics for every OldLogit method, in one place."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self._rt = rt
+    def __init__(self, auth: Auth, metrics: Metrics) -> None:
+        self._auth = auth
+        self._metrics = metrics
 
     def _wrap(self, method: str, inner: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
-        rt = self._rt
+        auth, metrics = self._auth, self._metrics
         write = method in _WRITE_METHODS
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
@@ -150,7 +155,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             err: OldLogitError | None = None
             upload = request if hasattr(request, "__aiter__") else None
             try:
-                rt.authorize(write=write, token=_token(context), peer=_peer_host(context.peer()))
+                auth.check(write=write, token=_token(context), peer=_peer_host(context.peer()))
                 if isinstance(request, _Undecodable):
                     raise request.error()
                 if hasattr(request, "__aiter__"):
@@ -166,8 +171,8 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             finally:
                 if err is not None:
                     code = err.grpc_status
-                rt.metrics.requests.labels(method, "grpc", code).inc()
-                rt.metrics.latency.labels(method, "grpc").observe(time.perf_counter() - start)
+                metrics.requests.labels(method, "grpc", code).inc()
+                metrics.latency.labels(method, "grpc").observe(time.perf_counter() - start)
             if upload is not None:
                 await _drain(upload)
             await _abort(context, err)
@@ -183,9 +188,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         path = details.method or ""
         if handler is not None and path.startswith(_REFLECTION_PREFIX):
             try:
-                self._rt.authorize(
-                    write=False, token=_bearer(details.invocation_metadata), peer=None
-                )
+                self._auth.check(write=False, token=_bearer(details.invocation_metadata), peer=None)
             except OldLogitError as exc:
                 return _refusal(handler, exc)
             return handler
@@ -244,8 +247,9 @@ async def _split_stream(
 
 
 class OldLogitServicer(pb_grpc.OldLogitServicer):
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, intake: Intake) -> None:
         self._rt = rt
+        self._intake = intake
 
     async def Logprobs(self, request: Any, context: Any) -> Any:
         req = convert.request_from_proto(request)
@@ -273,23 +277,14 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
 
     async def Publish(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         header, data = await _split_stream(request_iterator)
-        res = await self._rt.publish_stream(
-            header.policy_version,
-            data,
-            sha256=header.sha256 or None,
-            delta=header.delta,
-            parent=header.parent if header.HasField("parent") else None,
-            parameter="data",
+        res = await self._intake.publish_stream(
+            convert.PublishHeader.from_fields(header), data, parameter="data"
         )
         return convert.publish_result_to_proto(res)
 
     async def PublishByPath(self, request: Any, context: Any) -> Any:
-        res = await self._rt.publish_path(
-            request.policy_version,
-            request.path,
-            sha256=request.sha256 or None,
-            delta=request.delta,
-            parent=request.parent if request.HasField("parent") else None,
+        res = await self._intake.publish_path(
+            convert.PublishHeader.from_fields(request), request.path
         )
         return convert.publish_result_to_proto(res)
 
@@ -307,31 +302,33 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
 
     # multi-rank publish sessions (README "Publishing from several ranks")
     async def OpenSession(self, request: Any, context: Any) -> Any:
-        info = await self._rt.open_session(
-            request.session_id,
-            request.policy_version,
-            request.members,
-            delta=request.delta,
-            parent=request.parent if request.HasField("parent") else None,
-            sha256=request.sha256 or None,
-            ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
+        info = await self._intake.open_session(
+            OpenSession(
+                session_id=request.session_id,
+                policy_version=request.policy_version,
+                members=request.members,
+                delta=request.delta,
+                parent=request.parent if request.HasField("parent") else None,
+                sha256=request.sha256 or None,
+                ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
+            )
         )
         return convert.to_proto(info)
 
     async def PublishPart(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         header, data = await _split_stream(request_iterator, "part")
-        info = await self._rt.stage_part(header.session_id, header.rank, data, parameter="data")
+        info = await self._intake.stage_part(header.session_id, header.rank, data, parameter="data")
         return convert.to_proto(info)
 
     async def CommitPart(self, request: Any, context: Any) -> Any:
-        info = await self._rt.commit_part(request.session_id, request.rank, request.sha256)
+        info = await self._intake.commit_part(request.session_id, request.rank, request.sha256)
         return convert.to_proto(info)
 
     async def GetSession(self, request: Any, context: Any) -> Any:
-        return convert.to_proto(await self._rt.get_session(request.session_id))
+        return convert.to_proto(await self._intake.get_session(request.session_id))
 
     async def AbortSession(self, request: Any, context: Any) -> Any:
-        return convert.to_proto(await self._rt.abort_session(request.session_id))
+        return convert.to_proto(await self._intake.abort_session(request.session_id))
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
         return convert.info_to_proto(await self._rt.info())
@@ -368,11 +365,17 @@ class Health:
 
 
 async def start_grpc_server(
-    rt: Runtime, host: str, port: int, tls: ServerTls | None = None
+    rt: Runtime,
+    intake: Intake,
+    auth: Auth,
+    host: str,
+    port: int,
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, int, Health]:
+    """Serve ``OldLogit`` (``rt`` and ``intake`` behind ``auth``), health and reflection."""
     max_bytes = int(rt.settings.max_request_mib * 1024 * 1024)
     server = grpc.aio.server(
-        interceptors=[_Interceptor(rt)],
+        interceptors=[_Interceptor(auth, rt.metrics)],
         options=[
             *(o for o in SERVER_OPTIONS if not o[0].startswith("grpc.max_")),
             ("grpc.max_receive_message_length", max_bytes),
@@ -380,7 +383,7 @@ async def start_grpc_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_OldLogitServicer_to_server(OldLogitServicer(rt), server)
+    pb_grpc.add_OldLogitServicer_to_server(OldLogitServicer(rt, intake), server)
     health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(

@@ -1,4 +1,4 @@
-"""HTTP transport (FastAPI): each route converts, calls ``Runtime``, converts back.
+"""HTTP transport (FastAPI): each route converts, calls the runtime or the intake, converts back.
 
 Authorisation runs first, in an ASGI gate that sees only the method, path and headers, so a
 request without credentials gets its 401 before any body is read or validated (``access``
@@ -21,15 +21,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from oldlogit import wire
-from oldlogit.errors import (
+from oldlogit.contract import wire
+from oldlogit.contract.convert import PublishHeader
+from oldlogit.contract.errors import (
     InternalError,
     InvalidRequest,
     LimitExceeded,
     NotFound,
     OldLogitError,
 )
-from oldlogit.types import (
+from oldlogit.contract.types import (
     MAX_VERSION,
     Info,
     LeaseInfo,
@@ -40,9 +41,11 @@ from oldlogit.types import (
     VersionInfo,
 )
 from oldlogit_service import __version__
+from oldlogit_service.api.auth import Auth
 from oldlogit_service.api.sessions_http import session_routes
 from oldlogit_service.api.status_page import render_status_page
 from oldlogit_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from oldlogit_service.publishing.intake import Intake
 from oldlogit_service.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -107,9 +110,9 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
 class AuthGate:
     """Authorise from the request line and headers alone, before routing reads the body."""
 
-    def __init__(self, app: ASGIApp, rt: Runtime) -> None:
+    def __init__(self, app: ASGIApp, auth: Auth) -> None:
         self.app = app
-        self.rt = rt
+        self.auth = auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -117,7 +120,7 @@ class AuthGate:
             if kind != "open":
                 client = scope.get("client")
                 try:
-                    self.rt.authorize(
+                    self.auth.check(
                         write=kind == "write",
                         token=_bearer(scope["headers"]),
                         peer=client[0] if client else None,
@@ -147,7 +150,9 @@ def create_health_app(rt: Runtime) -> FastAPI:
     return app
 
 
-def create_app(rt: Runtime) -> FastAPI:
+def create_app(rt: Runtime, intake: Intake, auth: Auth) -> FastAPI:
+    """The API app: ``rt`` answers logprobs, traces and reads, ``intake`` takes publishes and
+    sessions, ``auth`` guards every route but the probes."""
     s = rt.settings
     max_request_bytes = int(s.max_request_mib * 1024 * 1024)
     app = FastAPI(
@@ -157,7 +162,7 @@ def create_app(rt: Runtime) -> FastAPI:
     )
 
     # Added first, so it runs inside _observe (401s are counted) and before any route.
-    app.add_middleware(AuthGate, rt=rt)
+    app.add_middleware(AuthGate, auth=auth)
 
     @app.exception_handler(OldLogitError)
     async def _on_error(request: Request, exc: OldLogitError) -> Response:
@@ -281,9 +286,8 @@ def create_app(rt: Runtime) -> FastAPI:
         delta: bool = False,
         parent: int | None = None,
     ) -> PublishResult:
-        return await rt.publish_stream(
-            policy_version, request.stream(), sha256=sha256, delta=delta, parent=parent
-        )
+        header = PublishHeader(policy_version, sha256=sha256, delta=delta, parent=parent)
+        return await intake.publish_stream(header, request.stream())
 
     @app.post(
         "/v1/versions",
@@ -291,13 +295,10 @@ def create_app(rt: Runtime) -> FastAPI:
         summary="Publish a version from a path on storage the service can read",
     )
     async def publish_by_path(body: PublishByPathBody) -> PublishResult:
-        return await rt.publish_path(
-            body.policy_version,
-            body.path,
-            sha256=body.sha256,
-            delta=body.delta,
-            parent=body.parent,
+        header = PublishHeader(
+            body.policy_version, sha256=body.sha256, delta=body.delta, parent=body.parent
         )
+        return await intake.publish_path(header, body.path)
 
     # -- retention -----------------------------------------------------------------------
     @app.post("/v1/watermark", summary="The trainer will never ask below this version")
@@ -332,5 +333,5 @@ def create_app(rt: Runtime) -> FastAPI:
     async def status_page() -> HTMLResponse:
         return HTMLResponse(await rt.status_page(render_status_page))
 
-    app.include_router(session_routes(rt))  # multi-rank publish sessions
+    app.include_router(session_routes(intake))  # multi-rank publish sessions
     return app

@@ -1,7 +1,8 @@
-"""HTTP routes of multi-rank publish sessions (README "Publishing from several ranks").
+"""HTTP routes of multi-rank publish sessions (docs/multi-rank-publishing.md).
 
-Each route converts and calls the runtime; auth is the app's gate and errors of the tree are
-answered by the app's one handler, as for every route. Added to the app by ``create_app``.
+Each route converts and calls the intake (``publishing.intake.Intake``); auth is the app's gate
+and errors of the tree are answered by the app's one handler, as for every route. Added to the
+app by ``create_app``.
 """
 
 from __future__ import annotations
@@ -9,21 +10,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from oldlogit.types import MAX_VERSION, SessionInfo
-from oldlogit_service.runtime import Runtime
+from oldlogit.contract.types import OpenSession, SessionInfo
+from oldlogit_service.publishing.intake import Intake
 
 __all__ = ["session_routes"]
-
-
-class OpenSessionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    session_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    policy_version: int = Field(ge=0, le=MAX_VERSION)
-    members: int = Field(ge=1, le=4096)
-    delta: bool = False
-    parent: int | None = Field(None, ge=0, le=MAX_VERSION)
-    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
-    ttl_s: float | None = Field(None, gt=0, le=86400)
 
 
 class CommitBody(BaseModel):
@@ -31,21 +21,13 @@ class CommitBody(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
 
 
-def session_routes(rt: Runtime) -> APIRouter:
+def session_routes(intake: Intake) -> APIRouter:
     """The routes; auth is the app's gate (GET reads, the rest writes), as for every route."""
     router = APIRouter()
 
     @router.post("/v1/sessions", response_model=SessionInfo, summary="Open a publish session")
-    async def open_session(body: OpenSessionBody) -> SessionInfo:
-        return await rt.open_session(
-            body.session_id,
-            body.policy_version,
-            body.members,
-            delta=body.delta,
-            parent=body.parent,
-            sha256=body.sha256,
-            ttl_s=body.ttl_s,
-        )
+    async def open_session(body: OpenSession) -> SessionInfo:
+        return await intake.open_session(body)
 
     @router.put(
         "/v1/sessions/{session_id}/parts/{rank}",
@@ -61,7 +43,7 @@ def session_routes(rt: Runtime) -> APIRouter:
         },
     )
     async def put_part(request: Request, session_id: str, rank: int) -> SessionInfo:
-        return await rt.stage_part(session_id, rank, request.stream())
+        return await intake.stage_part(session_id, rank, request.stream())
 
     @router.post(
         "/v1/sessions/{session_id}/parts/{rank}/commit",
@@ -69,14 +51,14 @@ def session_routes(rt: Runtime) -> APIRouter:
         summary="Commit a staged part with the rank's hash; the last commit publishes",
     )
     async def commit_part(session_id: str, rank: int, body: CommitBody) -> SessionInfo:
-        return await rt.commit_part(session_id, rank, body.sha256)
+        return await intake.commit_part(session_id, rank, body.sha256)
 
     @router.get("/v1/sessions/{session_id}", response_model=SessionInfo)
     async def get_session(session_id: str) -> SessionInfo:
-        return await rt.get_session(session_id)
+        return await intake.get_session(session_id)
 
     @router.delete("/v1/sessions/{session_id}", response_model=SessionInfo)
     async def abort_session(session_id: str) -> SessionInfo:
-        return await rt.abort_session(session_id)
+        return await intake.abort_session(session_id)
 
     return router

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol
 
-from oldlogit.errors import InvalidRequest
-from oldlogit.types import LeaseInfo, VersionInfo
+from oldlogit.contract.errors import InvalidRequest
+from oldlogit.contract.types import LeaseInfo, VersionInfo
 from oldlogit_service.snapshots import LeaseRecord, SnapshotStore, VersionRecord
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     Unavailable,
     UnknownLease,
     VersionConflict,

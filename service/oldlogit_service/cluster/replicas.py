@@ -19,8 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oldlogit.errors import Conflict, OldLogitError, Unavailable, UnknownVersion, VersionEvicted
-from oldlogit.types import LeaseInfo, VersionInfo
+from oldlogit.contract.errors import (
+    Conflict,
+    OldLogitError,
+    Unavailable,
+    UnknownVersion,
+    VersionEvicted,
+)
+from oldlogit.contract.types import LeaseInfo, VersionInfo
 from oldlogit_service.cluster.control import check_ttl, lease_info, version_info
 from oldlogit_service.cluster.redis_adapters import (
     EventListener,

@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from oldlogit.errors import WeightsMismatch
-from oldlogit.layout import WeightLayout, WeightSource
+from oldlogit.contract.errors import WeightsMismatch
+from oldlogit.contract.layout import WeightLayout, WeightSource
 
 if TYPE_CHECKING:
     from oldlogit_service.model.loaded import LoadedModel
@@ -148,7 +148,7 @@ def canonicalize_weights(
 
 
 def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from oldlogit.weights import torch_dtype
+    from oldlogit.contract.weights import torch_dtype
 
     return torch_dtype(st_dtype)
 
@@ -213,8 +213,8 @@ def canonical_file(path: Path, layout: WeightLayout, staging: Path) -> Path | No
     per-expert tensors, tied duplicates, wrapper prefixes) rewritten under the canonical names
     into ``staging`` — tensors streamed back to back, never loaded — or None when its names
     are canonical already. Refuses what the layout cannot map, naming the tensor."""
-    from oldlogit._publish import SafetensorsStream
-    from oldlogit.weights import shard_headers
+    from oldlogit.contract.safetensors import SafetensorsStream
+    from oldlogit.contract.weights import shard_headers
 
     where, _ = shard_headers(path)
     if set(where) == set(layout.specs):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from oldlogit.errors import InvalidRequest, OutOfMemory
+from oldlogit.contract.errors import InvalidRequest, OutOfMemory
 from oldlogit.parity.logprobs import row_logits
 from oldlogit.parity.trace import TraceStage, forward_trace
 from oldlogit_service.model.backends import TransformersBackend

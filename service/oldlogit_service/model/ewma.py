@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from oldlogit.errors import UnknownVersion, VersionEvicted
-from oldlogit.weights import weight_sha256
+from oldlogit.contract.errors import UnknownVersion, VersionEvicted
+from oldlogit.contract.weights import weight_sha256
 from oldlogit_service.model.loaded import LoadedModel
 
 if TYPE_CHECKING:
@@ -48,12 +48,6 @@ class EwmaSnapshot:
     last_version: int
     count: int  # versions folded in so far
 
-    @property
-    def source(self) -> int:
-        """The scheduler's name for these weights: below 0, one per average (it grows with
-        every fold, so one name never stands for two sets of weights)."""
-        return -1 - self.count
-
 
 class EwmaProxy:
     """Folds published versions into a bias-corrected EMA and answers jobs under it.
@@ -61,7 +55,8 @@ class EwmaProxy:
     ``fold``/``catch_up`` are serialised by one lock; readers take ``snapshot()`` once per
     request, so a concurrent publish never mixes two averages in one answer. Jobs under a
     snapshot run through the scheduler like every other job (same queue limit, deadlines,
-    overload behaviour), with the snapshot's weights as their source (``EwmaSnapshot.source``).
+    overload behaviour), under the snapshot's weights held by reference and named by their hash
+    (``scheduler.WeightsRef.proxy``).
     """
 
     def __init__(

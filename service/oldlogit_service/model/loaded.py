@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from oldlogit.layout import WeightLayout
+from oldlogit.contract.layout import WeightLayout
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
 from oldlogit.parity.numerics import transformers_version
 from oldlogit.parity.skeleton import buffer_digests, reference_buffers
@@ -295,7 +295,7 @@ def model_from_config(
 
 def weight_layout_info(layout: WeightLayout) -> dict[str, Any]:
     """The ``Info`` fields that describe ``layout`` (``oldlogit.types.Info.weight_layout``)."""
-    from oldlogit.types import SourceInfo, TensorInfo
+    from oldlogit.contract.types import SourceInfo, TensorInfo
 
     return {
         "weight_specs": {

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from oldlogit._delta import FORMAT, IDX, VAL, bits_view, decode_positions, split_name
-from oldlogit.errors import InvalidRequest, WeightsMismatch
-from oldlogit.weights import (
+from oldlogit.contract.delta import FORMAT, IDX, VAL, bits_view, decode_positions, split_name
+from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
+from oldlogit.contract.weights import (
     DTYPE_ITEMSIZE,
     SafetensorsHeader,
     WeightHasher,

@@ -1,19 +1,17 @@
 """Multi-rank publish sessions: N parts staged, checked, committed, then one version.
 
-In: session calls from the runtime (``Runtime.open_session`` … ``abort_session``, which both
-transports call) — open, a part's bytes staged under the store's staging
+In: session calls from the intake (``Intake.open_session`` … ``abort_session``, which both
+transports call) — open (an ``OpenSession``), a part's bytes staged under the store's staging
 directory, a commit carrying the rank's own hash, get, abort. Out: ``SessionInfo`` states, and
 a version published through the snapshot store's public API (``publish_file`` on the parts as
 shards, or ``publish_delta`` on the merged delta parts) once every part is committed, so
 nothing is visible before that and the store verifies, persists and registers it as any other
-publish. The protocol is README "Publishing from several ranks". No HTTP, gRPC or asyncio.
+publish. The protocol is docs/multi-rank-publishing.md. No HTTP, gRPC or asyncio.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import re
 import shutil
 import threading
 import time
@@ -23,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     Conflict,
     InvalidRequest,
     LimitExceeded,
@@ -31,14 +29,13 @@ from oldlogit.errors import (
     OldLogitError,
     WeightsMismatch,
 )
-from oldlogit.types import PublishResult, SessionInfo
+from oldlogit.contract.types import OpenSession, PublishResult, SessionInfo
 from oldlogit_service.publishing.parts import check_part, merge_delta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SESSION_ID", "Sessions"]
+__all__ = ["Sessions"]
 
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 DEFAULT_TTL_S = 600.0
 MAX_OPEN = 64  # sessions open at once on a replica
 
@@ -101,39 +98,19 @@ class Sessions:
         self._lock = threading.Lock()
 
     # -- calls ---------------------------------------------------------------------------
-    def open(
-        self,
-        session_id: str,
-        policy_version: int,
-        members: int,
-        *,
-        delta: bool = False,
-        parent: int | None = None,
-        sha256: str | None = None,
-        ttl_s: float | None = None,
-    ) -> SessionInfo:
-        """Open a session, or answer the open one with the same id and parameters."""
-        if not SESSION_ID.fullmatch(session_id):
-            raise InvalidRequest(
-                "session_id must be 8-64 characters of A-Z a-z 0-9 _ -", parameter="session_id"
-            )
-        if not 1 <= members <= 4096:
-            raise InvalidRequest("members must be in [1, 4096]", parameter="members")
-        if delta and parent is None:
-            raise InvalidRequest("a delta session needs its parent", parameter="parent")
-        if not delta and parent is not None:
-            raise InvalidRequest("parent applies to delta sessions only", parameter="parent")
-        ttl = DEFAULT_TTL_S if ttl_s is None else float(ttl_s)
-        if not (math.isfinite(ttl) and 0 < ttl <= 86400):
-            raise InvalidRequest("ttl_s must be in (0, 86400] seconds", parameter="ttl_s")
+    def open(self, request: OpenSession) -> SessionInfo:
+        """Open a session, or answer the open one with the same id and parameters.
+        ``request`` was validated when it was made (``OpenSession``)."""
+        ttl = DEFAULT_TTL_S if request.ttl_s is None else float(request.ttl_s)
         self.sweep()
+        session_id = request.session_id
         want = _Session(
             session_id,
-            int(policy_version),
-            int(members),
-            bool(delta),
-            parent,
-            sha256.lower() if sha256 else None,
+            request.policy_version,
+            request.members,
+            request.delta,
+            request.parent,
+            request.sha256.lower() if request.sha256 else None,
             ttl,
             self._clock(),
             self._store.staging_dir / f"session-{session_id}",
@@ -153,7 +130,9 @@ class Sessions:
                 )
             want.directory.mkdir(parents=True, exist_ok=True)
             self._sessions[session_id] = want
-        logger.info("session %s opened: v%d, %d members", session_id, policy_version, members)
+        logger.info(
+            "session %s opened: v%d, %d members", session_id, want.policy_version, want.members
+        )
         return self._info(want)
 
     def part_path(self, session_id: str, rank: int) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from oldlogit.weights import DTYPE_ITEMSIZE, TensorEntry, WeightHasher
+from oldlogit.contract.weights import DTYPE_ITEMSIZE, TensorEntry, WeightHasher
 
 __all__ = [
     "BufferPool",

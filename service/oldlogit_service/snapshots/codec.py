@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from oldlogit._delta import (
+from oldlogit.contract.delta import (
     FORMAT,
     IDX,
     VAL,
@@ -32,8 +32,8 @@ from oldlogit._delta import (
     encode_positions,
     split_name,
 )
-from oldlogit.errors import InvalidRequest, WeightsMismatch
-from oldlogit.weights import DTYPE_ITEMSIZE, SafetensorsHeader, TensorEntry
+from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
+from oldlogit.contract.weights import DTYPE_ITEMSIZE, SafetensorsHeader, TensorEntry
 
 __all__ = [
     "FORMAT",

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from oldlogit.errors import InvalidRequest, WeightsMismatch
-from oldlogit.weights import (
+from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
+from oldlogit.contract.weights import (
     DTYPE_ITEMSIZE,
     SafetensorsHeader,
     TensorEntry,

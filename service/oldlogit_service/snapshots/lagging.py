@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from oldlogit.errors import OldLogitError
+from oldlogit.contract.errors import OldLogitError
 from oldlogit_service.snapshots import buffers, codec, persist
 from oldlogit_service.snapshots.registry import check_version
 from oldlogit_service.snapshots.residency import Resident

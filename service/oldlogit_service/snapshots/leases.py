@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from oldlogit.errors import InvalidRequest, UnknownLease
+from oldlogit.contract.errors import InvalidRequest, UnknownLease
 
 __all__ = ["MAX_HOLDER_CHARS", "LeaseRecord", "LeaseTable", "check_ttl"]
 

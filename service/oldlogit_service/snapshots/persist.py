@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import torch
 
-from oldlogit.weights import (
+from oldlogit.contract.weights import (
     DTYPE_ITEMSIZE,
     SafetensorsHeader,
     TensorEntry,

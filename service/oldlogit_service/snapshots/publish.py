@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from oldlogit._delta import bits_view
-from oldlogit.errors import (
+from oldlogit.contract.delta import bits_view
+from oldlogit.contract.errors import (
     InvalidRequest,
     NotFound,
     OutOfMemory,
@@ -29,7 +29,7 @@ from oldlogit.errors import (
     VersionEvicted,
     WeightsMismatch,
 )
-from oldlogit.weights import DTYPE_ITEMSIZE, read_safetensors_header
+from oldlogit.contract.weights import DTYPE_ITEMSIZE, read_safetensors_header
 from oldlogit_service.snapshots import buffers, codec, ingest, persist
 from oldlogit_service.snapshots.buffers import TensorSource
 from oldlogit_service.snapshots.rebuild import Rebuilder

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from oldlogit.errors import OldLogitError
+from oldlogit.contract.errors import OldLogitError
 from oldlogit_service.snapshots import buffers, codec, persist
 from oldlogit_service.snapshots.registry import Registry
 from oldlogit_service.snapshots.residency import Residency, Resident

@@ -12,12 +12,11 @@ the registry" sequence; ``_lock`` guards the in-memory state for short sections 
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from oldlogit.errors import (
+from oldlogit.contract.errors import (
     Conflict,
     InvalidRequest,
     OldLogitError,
@@ -27,7 +26,7 @@ from oldlogit.errors import (
     VersionNotIncreasing,
     WeightsMismatch,
 )
-from oldlogit.types import MAX_VERSION
+from oldlogit.contract.types import check_version
 from oldlogit_service.snapshots import persist
 from oldlogit_service.snapshots.leases import LeaseRecord, LeaseTable
 from oldlogit_service.snapshots.tiers import DISK, DiskCandidate, TierAccount, disk_victims
@@ -35,21 +34,6 @@ from oldlogit_service.snapshots.tiers import DISK, DiskCandidate, TierAccount, d
 logger = logging.getLogger(__name__)
 
 __all__ = ["Registry", "check_version"]
-
-
-def check_version(version: object, parameter: str = "policy_version") -> int:
-    """A policy version as an int in [0, 2**63 - 1] (int64 on every wire), or ``InvalidRequest``
-    naming ``parameter``."""
-    if (
-        isinstance(version, bool)
-        or not isinstance(version, numbers.Integral)
-        or not 0 <= int(version) <= MAX_VERSION
-    ):
-        raise InvalidRequest(
-            f"{parameter} must be an integer in [0, 2**63 - 1], got {version!r}",
-            parameter=parameter,
-        )
-    return int(version)
 
 
 class Registry:

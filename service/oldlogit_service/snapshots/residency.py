@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from oldlogit.errors import Overloaded
-from oldlogit.weights import TensorEntry
+from oldlogit.contract.errors import Overloaded
+from oldlogit.contract.weights import TensorEntry
 from oldlogit_service.snapshots import buffers
 from oldlogit_service.snapshots.codec import Patch
 from oldlogit_service.snapshots.persist import tensor_views

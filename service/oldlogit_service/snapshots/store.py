@@ -21,8 +21,14 @@ from types import MappingProxyType
 
 import torch
 
-from oldlogit.errors import Conflict, InvalidRequest, OldLogitError, Unavailable, error_from_payload
-from oldlogit.weights import read_safetensors_header
+from oldlogit.contract.errors import (
+    Conflict,
+    InvalidRequest,
+    OldLogitError,
+    Unavailable,
+    error_from_payload,
+)
+from oldlogit.contract.weights import read_safetensors_header
 from oldlogit_service.snapshots import buffers, codec, ingest, persist
 from oldlogit_service.snapshots.lagging import LaggingModel
 from oldlogit_service.snapshots.leases import LeaseRecord

@@ -7,7 +7,7 @@ from ``.venv-verl`` (the oldest transformers release the ``trainer`` extra accep
 service on the newest. Needs the client and torch/transformers only, never the service.
 
 A row loads the trainer's model as that setup does, enters ``trainer_numerics(model,
-like=info.numerics_spec())`` as the README shows, and computes π_θ with ``token_logprobs`` on
+like=info.numerics_spec())`` as docs/exactness.md shows, and computes π_θ with ``token_logprobs`` on
 left-padded micro-batches of 1, 4 and 8: every scored token must equal the service's π_old at
 the same version, and the backward of a masked sum of those logprobs must give the very
 gradients of the reference setup (the model loaded in the serving dtype). A refused row must

@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     # snapshot: random access to any retained version; lagging: one resident model advanced
     # version by version, requests served in version order (passed versions: snapshot path).
     strategy: Literal["snapshot", "lagging"] = "snapshot"
-    # Scale-out (README "Scale-out").
+    # Scale-out (docs/operations.md, "Scale-out").
     redis_url: str | None = None
     cache_redis_url: str | None = None
     namespace: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # keys per deployment
@@ -76,7 +76,7 @@ class Settings(BaseSettings):
     # Secrets: never shown by repr() or logs; compared in constant time (runtime.authorize).
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
-    # Transport security (README "Security"): PEM files for both transports, re-read on SIGHUP
+    # Transport security (docs/operations.md, "Security"): PEM files for both transports, re-read on SIGHUP
     # and every tls_reload_interval_s (new handshakes get the new certificates).
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None

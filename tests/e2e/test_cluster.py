@@ -1,5 +1,5 @@
 """Scale-out with real processes: three replicas on 127.0.0.1, one registry redis-server, one
-cache redis-server, one shared snapshot directory (README "Scale-out")."""
+cache redis-server, one shared snapshot directory (docs/operations.md, "Scale-out")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Multi-rank publish sessions over both transports, ranks played in one process.
 
-The protocol of README "Publishing from several ranks": a version published from N parts is
+The protocol of docs/multi-rank-publishing.md: a version published from N parts is
 visible only once every part is committed, its hash is the whole weights' hash, it serves
 bitwise; deltas per rank against the parent; a wrong part hash, two ranks claiming a tensor, a
 missing tensor, an abort and a timeout each leave nothing visible and say why.
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from oldlogit import Client, Conflict, NotFound, UnknownVersion, WeightsMismatch
-from oldlogit._publish import SafetensorsStream, WeightsCopy
 from oldlogit.contract.weights import weight_sha256
+from oldlogit.publishing.streams import SafetensorsStream, WeightsCopy
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs
 

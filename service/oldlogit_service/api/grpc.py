@@ -300,7 +300,7 @@ class OldLogitServicer(pb_grpc.OldLogitServicer):
         await self._rt.release_lease(request.lease_id)
         return pb.DeleteLeaseResponse(lease_id=request.lease_id)
 
-    # multi-rank publish sessions (README "Publishing from several ranks")
+    # multi-rank publish sessions (docs/multi-rank-publishing.md)
     async def OpenSession(self, request: Any, context: Any) -> Any:
         info = await self._intake.open_session(
             OpenSession(

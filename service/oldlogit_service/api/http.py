@@ -82,7 +82,7 @@ def _loc_to_parameter(loc: tuple[Any, ...]) -> str:
     return wire.parameter_path([p for p in loc if p not in ("body", "query", "path", "header")])
 
 
-# Who may call what (README "Security"). Probes are open; everything else reads with the read
+# Who may call what (docs/operations.md, "Security"). Probes are open; everything else reads with the read
 # token (when one is set) — the API, /metrics, the status page, /docs and /openapi.json — and
 # every method that changes state needs the write token, so a route added later is guarded
 # by its method without being listed here.
@@ -233,7 +233,7 @@ def create_app(rt: Runtime, intake: Intake, auth: Auth) -> FastAPI:
                 },
             }
         },
-        responses={200: {"description": "Scored logprobs only, in position order; see README"}},
+        responses={200: {"description": "Scored logprobs only, in position order; see docs/exactness.md"}},
     )
     async def logprobs(request: Request) -> Response:
         body = await read_body(request, max_request_bytes, "request body")

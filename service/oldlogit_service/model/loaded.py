@@ -147,8 +147,8 @@ class LoadedModel:
         return dtype_name(self.dtype)
 
     def numerics_spec(self, lm_head_fp32: bool) -> NumericsSpec:
-        """What decides this deployment's bits besides weights and tokens (README
-        "Exactness contract"); part of every result-cache key and of ``/v1/info``."""
+        """What decides this deployment's bits besides weights and tokens (docs/exactness.md,
+        "What parity requires"); part of every result-cache key and of ``/v1/info``."""
         return NumericsSpec(
             profile=self.profile,
             dtype=self.dtype_name,

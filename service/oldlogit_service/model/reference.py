@@ -1,4 +1,4 @@
-"""The reference logprobs: what "exact" means (README "Exactness contract"), written to be read.
+"""The reference logprobs: what "exact" means (docs/exactness.md), written to be read.
 
 In: one version's weights (or one per version) and a whole token sequence; out: float32
 logprobs, NaN where not scored. The whole sequence is forwarded alone, unpadded, batch 1:

@@ -188,7 +188,7 @@ class VersionHash(_message.Message):
     policy_version: _builtins.int
     """The policy version."""
     sha256: _builtins.str
-    """sha256 (hex) over the version's weights (oldlogit.weights.weight_sha256; README)."""
+    """sha256 (hex) over the version's weights (oldlogit.contract.weights.weight_sha256; docs/exactness.md)."""
     def __init__(
         self,
         *,
@@ -1305,7 +1305,7 @@ Global___ListReplicasResponse: _TypeAlias = ListReplicasResponse  # noqa: Y015
 
 @_typing.final
 class OpenSessionRequest(_message.Message):
-    """Opens a multi-rank publish session (README "Publishing from several ranks")."""
+    """Opens a multi-rank publish session (docs/multi-rank-publishing.md)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

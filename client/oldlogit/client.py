@@ -1,9 +1,11 @@
 """The Python client: ``AsyncClient`` and its sync twin ``Client``, over HTTP or gRPC.
 
 In: token ids (lists, numpy or torch, duck-typed), versions and weights; out: contract types with
-numpy arrays (``SequenceResult.logprobs`` float32, full length, NaN where not scored). One code
-path: ``Client`` runs ``AsyncClient`` on a private event-loop thread. Retries and replica
-failover go through ``oldlogit.transport.pool`` only. Never imports torch (tensors are duck-typed).
+numpy arrays (``SequenceResult.logprobs`` float32, full length, NaN where not scored). The
+methods parse their arguments into contract types and call through: every call runs on the
+client's ``TransportPool`` (``oldlogit.transport``: replicas, retries, failover), publishing on
+its ``Publisher`` (``oldlogit.publishing``). One code path: ``Client`` runs ``AsyncClient`` on
+a private event-loop thread. Never imports torch (tensors are duck-typed).
 """
 
 from __future__ import annotations
@@ -14,27 +16,15 @@ import logging
 import os
 import socket
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from pydantic import ValidationError
 
-from oldlogit._sessions import SessionsMixin
 from oldlogit.contract import wire
-from oldlogit.contract.convert import PublishHeader
-from oldlogit.contract.errors import (
-    Forbidden,
-    InvalidRequest,
-    OldLogitError,
-    ParentMissing,
-    TlsError,
-    Unauthorized,
-    UnknownLease,
-    WeightsMismatch,
-)
+from oldlogit.contract.errors import InvalidRequest, UnknownLease
 from oldlogit.contract.types import (
     Info,
     LeaseInfo,
@@ -43,20 +33,23 @@ from oldlogit.contract.types import (
     Sampling,
     Sequence,
     SequenceResult,
+    SessionInfo,
     Trace,
     TraceRequest,
     VersionInfo,
 )
+from oldlogit.publishing.publisher import Publisher
 from oldlogit.transport.base import TLS_SCHEMES, Transport, check_url, open_transport
 from oldlogit.transport.loop_thread import LoopThread
 from oldlogit.transport.pool import TransportPool
 from oldlogit.transport.retry import RetryPolicy
 from oldlogit.transport.tls import ClientTls
 
-if TYPE_CHECKING:  # reads weights with numpy: imported on first publish only
-    from oldlogit._publish import SafetensorsStream, WeightsCopy
+if TYPE_CHECKING:
     from oldlogit.contract.layout import WeightLayout
+    from oldlogit.contract.safetensors import SafetensorsStream
     from oldlogit.integrations.padded import PaddedLogprobs
+    from oldlogit.publishing.streams import WeightsCopy
 
 __all__ = ["AsyncClient", "AsyncLease", "Client", "Lease"]
 
@@ -82,7 +75,7 @@ def _routing_key(req: LogprobsRequest) -> int | None:
     return None
 
 
-class AsyncClient(SessionsMixin):
+class AsyncClient:
     """Talks to one oldlogit deployment (a URL, or a list of replica URLs).
 
     ``timeout_s`` bounds each call, retries included, and is sent to the server as the request's
@@ -114,11 +107,11 @@ class AsyncClient(SessionsMixin):
         urls = [url_or_urls] if isinstance(url_or_urls, str) else list(url_or_urls)
         if not urls:
             raise InvalidRequest("at least one URL is needed", parameter="url")
-        self._tls = ClientTls.load(
+        tls = ClientTls.load(
             *(None if f is None else os.fspath(f) for f in (ca_file, cert_file, key_file))
         )
         for url in urls:
-            if check_url(url) not in TLS_SCHEMES and self._tls is not None:
+            if check_url(url) not in TLS_SCHEMES and tls is not None:
                 raise InvalidRequest(
                     f"ca_file/cert_file/key_file need https:// or grpcs:// URLs, not {url!r}",
                     parameter="url",
@@ -126,32 +119,18 @@ class AsyncClient(SessionsMixin):
         if retries < 0:
             raise InvalidRequest("retries must be >= 0", parameter="retries")
         encoding = wire.MSGPACK_TYPE if http_encoding == "msgpack" else wire.JSON_TYPE
-        tls = self._tls
 
         def open_one(url: str) -> Transport:
             return open_transport(url, token=token, http_encoding=encoding, tls=tls)
 
         policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
         self._pool = TransportPool(urls, open_one, policy, timeout_s=timeout_s)
-        self._publish_timeout_s = publish_timeout_s
-        # The weights of the last publish(..., delta=True): the next delta's parent.
-        self._last_published: WeightsCopy | None = None
-        self._layout: WeightLayout | None = None  # the model's weight layout, from info()
+        # Publishing's own state (the last delta's weights, the layout) lives there.
+        self._publisher = Publisher(self._pool, self.info, timeout_s=publish_timeout_s)
 
     @property
     def urls(self) -> list[str]:
         return self._pool.urls
-
-    async def _call(
-        self,
-        op: Callable[[Transport, float | None], Awaitable[T]],
-        *,
-        timeout_s: float | Literal["client"] | None = "client",
-        key: int | None = None,
-        retry: bool = True,
-    ) -> T:
-        """Every operation goes through the pool (``oldlogit.transport.pool``)."""
-        return await self._pool.call(op, timeout_s=timeout_s, key=key, retry=retry)
 
     # ------------------------------------------------------------------ logprobs
 
@@ -229,7 +208,7 @@ class AsyncClient(SessionsMixin):
             resp = await t.logprobs(req.model_copy(update={"timeout_s": remaining}), remaining)
             return resp.results
 
-        return await self._call(
+        return await self._pool.call(
             op, timeout_s="client" if timeout_s is None else timeout_s, key=_routing_key(req)
         )
 
@@ -318,33 +297,35 @@ class AsyncClient(SessionsMixin):
             )
         except ValidationError as exc:
             raise _invalid(exc) from exc
-        return await self._call(lambda t, rem: t.trace(req, rem), key=policy_version)
+        return await self._pool.call(lambda t, rem: t.trace(req, rem), key=policy_version)
 
     # ------------------------------------------------------------------ versions
 
     async def versions(self) -> list[VersionInfo]:
         """The retained versions, ascending."""
-        infos, _ = await self._call(lambda t, rem: t.list_versions(rem))
+        infos, _ = await self._pool.call(lambda t, rem: t.list_versions(rem))
         return infos
 
     async def version(self, policy_version: int) -> VersionInfo:
-        return await self._call(
+        return await self._pool.call(
             lambda t, rem: t.get_version(policy_version, rem), key=policy_version
         )
 
     async def delete_version(self, policy_version: int) -> None:
-        await self._call(lambda t, rem: t.delete_version(policy_version, rem), key=policy_version)
+        await self._pool.call(
+            lambda t, rem: t.delete_version(policy_version, rem), key=policy_version
+        )
 
     async def set_watermark(self, policy_version: int) -> int:
         """Promise never to ask below ``policy_version``; returns the watermark in force."""
-        return await self._call(lambda t, rem: t.set_watermark(policy_version, rem))
+        return await self._pool.call(lambda t, rem: t.set_watermark(policy_version, rem))
 
     async def info(self) -> Info:
-        return await self._call(lambda t, rem: t.info(rem))
+        return await self._pool.call(lambda t, rem: t.info(rem))
 
     async def replicas(self) -> list[dict[str, Any]]:
         """The deployment's live replicas (id, http, grpc, queue depth), from its registry."""
-        return await self._call(lambda t, rem: t.list_replicas(rem))
+        return await self._pool.call(lambda t, rem: t.list_replicas(rem))
 
     async def discover(self) -> list[str]:
         """Replace the replica list with the deployment's live replicas (same scheme as the
@@ -393,85 +374,20 @@ class AsyncClient(SessionsMixin):
         If the service no longer has the parent it raises ``ParentMissing``; with
         ``fallback_full=True`` the client then uploads the full weights instead.
         """
-        # Reads weights (oldlogit.contract.weights): not needed to import the client.
-        from oldlogit._publish import SafetensorsStream, WeightsCopy
-
-        if by_path:
-            if isinstance(weights, Mapping):
-                raise InvalidRequest(
-                    "by_path=True needs a path, not a state dict", parameter="weights"
-                )
-            path = os.fspath(weights)
-            header = PublishHeader(policy_version, sha256, delta=delta)
-            return await self._call(
-                lambda t, rem: t.publish_by_path(header, path, rem),
-                timeout_s=self._publish_timeout_s,
-                key=policy_version,
-            )
-        layout = await self._layout_or_none()
-        if delta:
-            new = await asyncio.to_thread(WeightsCopy.read, weights, layout, cast=cast)
-            parent = self._last_published
-            if sha256 is not None and sha256.lower() != new.sha256:
-                raise WeightsMismatch(
-                    f"the weights hash to {new.sha256}, not the given sha256 {sha256}",
-                    parameter="sha256",
-                )
-            if parent is None or not parent.matches(new):
-                logger.info("publish v%d: no earlier weights to diff against", policy_version)
-                res = await self._upload(policy_version, new.full_stream(), new.sha256, progress)
-            else:
-                stream = await asyncio.to_thread(new.delta_stream, parent)
-                try:
-                    res = await self._upload(
-                        policy_version,
-                        stream,
-                        new.sha256,
-                        progress,
-                        parent=parent.policy_version,
-                    )
-                except ParentMissing:
-                    if not fallback_full:
-                        raise
-                    logger.info("publish v%d: parent missing, sending full", policy_version)
-                    res = await self._upload(
-                        policy_version, new.full_stream(), new.sha256, progress
-                    )
-            self._last_published = new.published(policy_version)
-            return res
-        if isinstance(weights, Mapping):
-            stream = SafetensorsStream.from_state_dict(weights, layout, cast=cast)
-        else:
-            stream = await asyncio.to_thread(
-                SafetensorsStream.from_path, Path(weights), layout, cast=cast
-            )
-        if sha256 is None:
-            from oldlogit._publish import progress_bar
-
-            bar = progress_bar(progress, stream.data_bytes, f"hash v{policy_version}")
-            try:
-                sha256 = await asyncio.to_thread(stream.sha256, bar)
-            finally:
-                if bar is not None:
-                    bar.close()
-        return await self._upload(policy_version, stream, sha256, progress)
+        return await self._publisher.publish(
+            policy_version,
+            weights,
+            delta=delta,
+            sha256=sha256,
+            by_path=by_path,
+            progress=progress,
+            fallback_full=fallback_full,
+            cast=cast,
+        )
 
     async def weight_layout(self) -> WeightLayout:
         """The model's weight layout (``Info.weight_layout``), fetched once per client."""
-        if self._layout is None:
-            self._layout = (await self.info()).weight_layout()
-        return self._layout
-
-    async def _layout_or_none(self) -> WeightLayout | None:
-        """The layout for a publish; None when ``info`` fails for any reason but auth or TLS
-        (the upload then goes under the names given, and the service checks them)."""
-        try:
-            return await self.weight_layout()
-        except (Unauthorized, Forbidden, TlsError):
-            raise
-        except OldLogitError as exc:
-            logger.warning("publish: no weight layout from the service (%s); names as given", exc)
-            return None
+        return await self._publisher.weight_layout()
 
     async def _upload(
         self,
@@ -483,27 +399,88 @@ class AsyncClient(SessionsMixin):
         parent: int | None = None,
     ) -> PublishResult:
         """Stream one safetensors body (full weights, or a delta against ``parent``)."""
-        from oldlogit._publish import aiter_in_thread, progress_bar
+        return await self._publisher.upload(policy_version, stream, sha256, progress, parent=parent)
 
-        header = PublishHeader(
+    # ------------------------------------------------------------------ publish sessions
+
+    async def open_session(
+        self,
+        session_id: str,
+        policy_version: int,
+        members: int,
+        *,
+        delta: bool = False,
+        parent: int | None = None,
+        sha256: str | None = None,
+        ttl_s: float | None = None,
+    ) -> SessionInfo:
+        """Open a publish session (idempotent for the same id and parameters)."""
+        return await self._publisher.sessions.open(
+            session_id,
             policy_version,
-            sha256,
-            delta=parent is not None,
+            members,
+            delta=delta,
             parent=parent,
-            total_bytes=stream.total_bytes,
+            sha256=sha256,
+            ttl_s=ttl_s,
         )
-        bar = progress_bar(progress, stream.total_bytes, f"publish v{policy_version}")
 
-        async def op(t: Transport, remaining: float | None) -> PublishResult:
-            if bar is not None:
-                bar.reset(total=stream.total_bytes)  # a retry starts the upload again
-            return await t.publish(header, aiter_in_thread(stream.chunks(), bar), remaining)
+    async def upload_part(
+        self,
+        session_id: str,
+        rank: int,
+        chunks: Iterator[bytes],
+        total_bytes: int,
+        *,
+        policy_version: int,
+    ) -> SessionInfo:
+        """Stage rank's part, read from ``chunks`` (a blocking iterator, pulled on a worker
+        thread) of ``total_bytes`` bytes. Not retried: the iterator cannot be replayed."""
+        return await self._publisher.sessions.upload_part(
+            session_id, rank, chunks, total_bytes, policy_version=policy_version
+        )
 
-        try:
-            return await self._call(op, timeout_s=self._publish_timeout_s, key=policy_version)
-        finally:
-            if bar is not None:
-                bar.close()
+    async def commit_part(
+        self, session_id: str, rank: int, sha256: str, *, policy_version: int
+    ) -> SessionInfo:
+        """Commit rank's staged part with the rank's hash; the last commit publishes."""
+        return await self._publisher.sessions.commit_part(
+            session_id, rank, sha256, policy_version=policy_version
+        )
+
+    async def session(self, session_id: str, *, policy_version: int) -> SessionInfo:
+        """A session's state (``published`` carries the version's ``PublishResult``)."""
+        return await self._publisher.sessions.get(session_id, policy_version=policy_version)
+
+    async def abort_session(self, session_id: str, *, policy_version: int) -> SessionInfo:
+        """Abort a session: its parts are dropped, nothing is published."""
+        return await self._publisher.sessions.abort(session_id, policy_version=policy_version)
+
+    async def publish_part(
+        self,
+        session_id: str,
+        rank: int,
+        weights: Mapping[str, Any],
+        *,
+        policy_version: int,
+        parent_copy: WeightsCopy | None = None,
+        cast: bool = False,
+    ) -> tuple[SessionInfo, WeightsCopy | None]:
+        """Upload and commit rank's share of the weights (a ``{name: tensor}``, any names the
+        model's layout maps, a subset of the model).
+
+        With ``parent_copy`` (this rank's share as it sent it last, from the previous call) the
+        part is a delta against it; the session must be a delta session. Returns the session's
+        state and this share's copy for the next delta (None for a full part).
+        """
+        return await self._publisher.sessions.publish_part(
+            session_id,
+            rank,
+            weights,
+            policy_version=policy_version,
+            parent_copy=parent_copy,
+            cast=cast,
+        )
 
     # ------------------------------------------------------------------ leases
 
@@ -511,13 +488,13 @@ class AsyncClient(SessionsMixin):
         self, policy_version: int, *, ttl_s: float = DEFAULT_LEASE_TTL_S, holder: str | None = None
     ) -> LeaseInfo:
         """Pin ``policy_version`` for ``ttl_s`` seconds (or until ``release_lease``)."""
-        return await self._call(
+        return await self._pool.call(
             lambda t, rem: t.create_lease(policy_version, holder or _default_holder(), ttl_s, rem),
             key=policy_version,
         )
 
     async def release_lease(self, lease_id: str) -> None:
-        await self._call(lambda t, rem: t.delete_lease(lease_id, rem))
+        await self._pool.call(lambda t, rem: t.delete_lease(lease_id, rem))
 
     def lease(
         self, policy_version: int, *, ttl_s: float = DEFAULT_LEASE_TTL_S, holder: str | None = None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oldlogit import Client, InvalidRequest, ParentMissing, UnknownVersion, WeightsMismatch
-from oldlogit._publish import WeightsCopy
+from oldlogit.publishing.streams import WeightsCopy
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs
 

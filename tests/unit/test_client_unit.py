@@ -23,7 +23,6 @@ import pytest
 import oldlogit.client as client_mod
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2 as pb
 from oldlogit._proto.oldlogit.v1 import oldlogit_pb2_grpc as pb_grpc
-from oldlogit._publish import SafetensorsStream
 from oldlogit.client import AsyncClient, Client
 from oldlogit.contract import convert, errors, wire
 from oldlogit.contract.convert import PublishHeader
@@ -42,6 +41,7 @@ from oldlogit.contract.types import (
     VersionInfo,
 )
 from oldlogit.contract.weights import safetensors_sha256, weight_sha256
+from oldlogit.publishing.streams import SafetensorsStream
 from oldlogit.transport.http import HttpTransport
 from oldlogit.transport.retry import ReplicaSet, RetryPolicy, call_with_retries
 
@@ -810,7 +810,7 @@ async def test_grpc_unreachable_replica_fails_over(grpc_server: Any) -> None:
 def test_importing_the_client_does_not_import_torch() -> None:
     code = (
         "import sys, oldlogit, oldlogit.client, oldlogit.contract.wire, oldlogit.contract.convert, "
-        "oldlogit._publish, oldlogit.transport.http, oldlogit.transport.grpc; "
+        "oldlogit.publishing.publisher, oldlogit.transport.http, oldlogit.transport.grpc; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

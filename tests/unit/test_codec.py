@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit._publish import WeightsCopy
 from oldlogit.contract.delta import (
     FORMAT,
     bits_view,
@@ -22,6 +21,7 @@ from oldlogit.contract.delta import (
 )
 from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
 from oldlogit.contract.weights import TensorEntry, read_safetensors_header
+from oldlogit.publishing.streams import WeightsCopy
 from oldlogit_service.snapshots import buffers, codec, persist
 
 PATTERNS = {"none": 0.0, "sparse": 0.01, "dense": 0.6, "all": 1.0}

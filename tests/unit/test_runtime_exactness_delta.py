@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from oldlogit._publish import WeightsCopy
+from oldlogit.publishing.streams import WeightsCopy
 from oldlogit_service.config import Settings
 from oldlogit_service.demo.deployment import demo_versions
 from oldlogit_service.model.checkpoints import load_weights

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from oldlogit._publish import WeightsCopy
 from oldlogit.contract.errors import (
     InvalidRequest,
     ParentMissing,
@@ -20,6 +19,7 @@ from oldlogit.contract.errors import (
     VersionEvicted,
     WeightsMismatch,
 )
+from oldlogit.publishing.streams import WeightsCopy
 from oldlogit_service.snapshots import SnapshotStore, ingest, persist
 from oldlogit_service.snapshots.tiers import MemoryCandidate, memory_victim_parts
 

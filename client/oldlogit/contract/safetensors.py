@@ -3,7 +3,7 @@
 In: ``TensorSource``s — a name, dtype, shape, size and a ``read`` that yields the raw bytes when
 asked — from safetensors files (``file_sources``: a file or a shard directory, mapped onto the
 canonical names of a ``WeightLayout``) or, on the trainer side, from a state dict
-(``oldlogit._sources``). Out: a ``SafetensorsStream``: its header, its bytes in chunks
+(``oldlogit.publishing.sources``). Out: a ``SafetensorsStream``: its header, its bytes in chunks
 (re-iterable, for retries), its size and its weight hash. The client uploads such streams; the
 service rewrites a hub checkpoint under canonical names with one. Never builds the file in
 memory: tensors are read one at a time, shards in chunks, merged by rewriting only the header.

@@ -31,8 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from oldlogit._publish import SafetensorsStream, WeightsCopy
-from oldlogit._sources import is_dtensor
 from oldlogit.contract.delta import FORMAT, bits_view
 from oldlogit.contract.errors import Conflict, InvalidRequest, OldLogitError, Unavailable
 from oldlogit.contract.layout import WeightLayout
@@ -45,6 +43,8 @@ from oldlogit.contract.weights import (
     tensor_raw_bytes,
     torch_dtype,
 )
+from oldlogit.publishing.sources import is_dtensor
+from oldlogit.publishing.streams import SafetensorsStream, WeightsCopy
 
 __all__ = ["ShardedPublisher", "publish_sharded"]
 

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from oldlogit._sources import is_dtensor, state_dict_sources
 from oldlogit.contract.numerics import SamplingParams
 from oldlogit.contract.safetensors import hash_sources
+from oldlogit.publishing.sources import is_dtensor, state_dict_sources
 
 from .logprobs import token_logprobs
 from .numerics import active_patch, trainer_numerics, unwrap_model

@@ -2,9 +2,9 @@
 
 In: ``{name: tensor | ndarray}`` or a path, and the service's ``WeightLayout`` when known; out:
 a ``SafetensorsStream`` (the contract's writer, ``oldlogit.contract.safetensors``, plus a
-constructor from a state dict under canonical names, ``oldlogit._sources``). Delta publishing
-keeps a ``WeightsCopy`` of the last published weights (CPU, raw bits) and streams only the
-changed elements (``oldlogit.contract.delta`` format). Also the progress bar and the adaptor
+constructor from a state dict under canonical names, ``sources``). Delta publishing keeps a
+``WeightsCopy`` of the last published weights (CPU, raw bits) and streams only the changed
+elements (``oldlogit.contract.delta`` format). Also the progress bar and the adaptor
 that pulls a blocking chunk iterator from async code. Never imports torch itself.
 """
 
@@ -21,12 +21,12 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from oldlogit._sources import state_dict_sources
 from oldlogit.contract import safetensors
 from oldlogit.contract.delta import FORMAT, IDX, VAL, bits_view, diff_positions, encode_positions
 from oldlogit.contract.layout import WeightLayout
 from oldlogit.contract.safetensors import TensorSource
 from oldlogit.contract.weights import DTYPE_ITEMSIZE, WeightHasher
+from oldlogit.publishing.sources import state_dict_sources
 
 __all__ = ["SafetensorsStream", "WeightsCopy", "aiter_in_thread", "progress_bar"]
 
@@ -47,7 +47,7 @@ class SafetensorsStream(safetensors.SafetensorsStream):
         partial: bool = False,
     ) -> SafetensorsStream:
         """A ``{name: torch tensor | numpy array}``; torch is never imported unless given.
-        With ``layout``, under the canonical names (``oldlogit._sources``); ``partial``: one
+        With ``layout``, under the canonical names (``sources``); ``partial``: one
         rank's share."""
         return cls(state_dict_sources(weights, layout, cast=cast, partial=partial))
 

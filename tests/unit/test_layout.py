@@ -1,4 +1,4 @@
-"""oldlogit.layout: names a trainer or a checkpoint holds, onto canonical weights (no torch)."""
+"""oldlogit.contract.layout: trainer or checkpoint names onto canonical weights (no torch)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HTTP encodings (oldlogit.wire) and proto converters (oldlogit.convert): round trips, the
+"""HTTP encodings (oldlogit.contract.wire) and proto converters (contract.convert): round trips, the
 documented shapes, malformed bodies naming the parameter, errors, and speed."""
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ class Settings(BaseSettings):
     # Secrets: never shown by repr() or logs; compared in constant time (runtime.authorize).
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
-    # Transport security (docs/operations.md, "Security"): PEM files for both transports, re-read on SIGHUP
-    # and every tls_reload_interval_s (new handshakes get the new certificates).
+    # Transport security (docs/operations.md, "Security"): PEM files for both transports,
+    # re-read on SIGHUP and every tls_reload_interval_s (new handshakes get the new certificates).
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # mutual TLS: client certificates signed by this CA

@@ -82,10 +82,10 @@ def _loc_to_parameter(loc: tuple[Any, ...]) -> str:
     return wire.parameter_path([p for p in loc if p not in ("body", "query", "path", "header")])
 
 
-# Who may call what (docs/operations.md, "Security"). Probes are open; everything else reads with the read
-# token (when one is set) — the API, /metrics, the status page, /docs and /openapi.json — and
-# every method that changes state needs the write token, so a route added later is guarded
-# by its method without being listed here.
+# Who may call what (docs/operations.md, "Security"). Probes are open; everything else reads
+# with the read token (when one is set) — the API, /metrics, the status page, /docs and
+# /openapi.json — and every method that changes state needs the write token, so a route added
+# later is guarded by its method without being listed here.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 READ_POSTS = frozenset({"/v1/logprobs", "/v1/trace"})  # reads with a body
@@ -233,7 +233,9 @@ def create_app(rt: Runtime, intake: Intake, auth: Auth) -> FastAPI:
                 },
             }
         },
-        responses={200: {"description": "Scored logprobs only, in position order; see docs/exactness.md"}},
+        responses={
+            200: {"description": "Scored logprobs only, in position order (docs/exactness.md)"}
+        },
     )
     async def logprobs(request: Request) -> Response:
         body = await read_body(request, max_request_bytes, "request body")

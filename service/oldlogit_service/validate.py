@@ -2,9 +2,9 @@
 
 In: a ``LogprobsRequest`` (contract type) and the deployment's ``Limits``. Out: a list of
 ``SequencePlan`` whose ``jobs`` map each distinct version to the positions it scores. A
-``TraceRequest`` is checked by the same rules (``check_trace``). Every
-refusal is an error from ``oldlogit.errors`` naming the offending parameter by its path in the
-request (``sequences[3].token_ids``). This stage never touches weights or tensors.
+``TraceRequest`` is checked by the same rules (``check_trace``). Every refusal is an error from
+``oldlogit.contract.errors`` naming the offending parameter by its path in the request
+(``sequences[3].token_ids``). This stage never touches weights or tensors.
 """
 
 from __future__ import annotations

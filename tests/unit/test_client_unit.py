@@ -679,10 +679,12 @@ async def test_http_publish_and_management_routes() -> None:
         yield b"abc"
         yield b"def"
 
-    res = await t.publish(PublishHeader(4, "s", parent=3, total_bytes=6), chunks(), None)
+    res = await t.publish(
+        PublishHeader(4, "s", delta=True, parent=3, total_bytes=6), chunks(), None
+    )
     assert res.weight_sha256 == hashlib.sha256(b"abcdef").hexdigest()
     assert seen[-1][0] == "PUT" and seen[-1][1].startswith("/v1/versions/4?")
-    assert seen[-1][2] == {"sha256": "s", "delta": "false", "parent": "3"}
+    assert seen[-1][2] == {"sha256": "s", "delta": "true", "parent": "3"}
     assert seen[-1][3] == b"abcdef" and lengths[-1] == "6"
     res = await t.publish_by_path(PublishHeader(5, "s"), "/data/w", None)
     assert res.policy_version == 5
@@ -841,3 +843,31 @@ def test_rendezvous_order_is_stable_spread_and_minimal_on_removal() -> None:
     a.mark_down(first)
     assert a.order(7)[-1] == first
     assert a.order(None) == [u for u in urls[:3] if u != first] + [first]
+
+
+def test_publish_and_session_arguments_are_checked_once_in_their_contract_types() -> None:
+    """``PublishHeader`` and ``OpenSession`` refuse bad fields when they are made, wherever that
+    is (the client, the HTTP route, the gRPC servicer), naming the parameter."""
+    from oldlogit.contract.types import OpenSession
+
+    with pytest.raises(errors.InvalidRequest) as info:
+        PublishHeader(4, None, parent=3)
+    assert info.value.parameter == "parent"
+    with pytest.raises(errors.InvalidRequest) as info:
+        PublishHeader(-1, None)
+    assert info.value.parameter == "policy_version"
+    assert PublishHeader(4, None, delta=True, parent=3).parent == 3
+    good = {"session_id": "abcdefgh", "policy_version": 1, "members": 2}
+    for bad, parameter in (
+        ({"session_id": "short"}, "session_id"),
+        ({"members": 0}, "members"),
+        ({"delta": True}, "parent"),
+        ({"parent": 0}, "parent"),
+        ({"ttl_s": 0.0}, "ttl_s"),
+        ({"sha256": "xyz"}, "sha256"),
+        ({"policy_version": 2**63}, "policy_version"),
+    ):
+        with pytest.raises(errors.InvalidRequest) as info:
+            OpenSession(**{**good, **bad})
+        assert info.value.parameter == parameter, bad
+    assert OpenSession(**good).members == 2

@@ -1,7 +1,7 @@
 """Checkpoint layouts and weight loading: a directory's tensors onto the model's canonical names.
 
 In: a model skeleton (``LoadedModel``) and tensors under any name the model's
-``WeightLayout`` accepts (``oldlogit.layout``: canonical, tied duplicates, hub checkpoint
+``WeightLayout`` accepts (``oldlogit.contract.layout``: canonical, tied duplicates, hub checkpoint
 layouts such as one tensor per expert, wrapper prefixes). Out: the canonical weights,
 contiguous, in ``param_specs`` order — or ``WeightsMismatch`` naming the tensor.
 
@@ -199,7 +199,7 @@ def layout_of(
     aliases: Mapping[str, str],
     ignored: frozenset[str],
 ) -> WeightLayout:
-    """The model's ``WeightLayout`` (see ``oldlogit.layout``)."""
+    """The model's ``WeightLayout`` (see ``oldlogit.contract.layout``)."""
     return WeightLayout(
         specs=dict(specs),
         tied=dict(aliases),

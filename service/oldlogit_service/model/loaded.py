@@ -294,7 +294,8 @@ def model_from_config(
 
 
 def weight_layout_info(layout: WeightLayout) -> dict[str, Any]:
-    """The ``Info`` fields that describe ``layout`` (``oldlogit.types.Info.weight_layout``)."""
+    """The ``Info`` fields that describe ``layout``
+    (``oldlogit.contract.types.Info.weight_layout``)."""
     from oldlogit.contract.types import SourceInfo, TensorInfo
 
     return {

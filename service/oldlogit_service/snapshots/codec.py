@@ -1,15 +1,15 @@
 """Patches: the changed elements of a version against its parent, bitwise, and their rebuild.
 
-In: two versions' raw bytes (as unsigned-int views, per tensor), or a delta/patch safetensors
-file. Out: a ``Patch`` (positions + new values per changed tensor), the file tensors that store
-it, and buffers rebuilt from a base plus a chain of patches. numpy only; no locks, no registry.
+In: two versions' raw bytes (as unsigned-int views, per tensor), or a delta/patch safetensors file.
+Out: a ``Patch`` (positions + new values per changed tensor), the file tensors that store it, and
+buffers rebuilt from a base plus a chain of patches. numpy only; no locks, no registry.
 
-Encoding (shared with the client, ``oldlogit._delta``): positions gap-coded in bytes (about 1
-byte per changed element at 1-20 % density: 4x smaller than int32 positions; decoding is two
+Encoding (shared with the client, ``oldlogit.contract.delta``): positions gap-coded in bytes (about
+1 byte per changed element at 1-20 % density: 4x smaller than int32 positions; decoding is two
 vectorised passes over the coded bytes, where a zlib'd bitmap, 10-30 % smaller at 1-3 %, costs a
 full-tensor unpack per patch, about 50x slower to decode); values raw in the storage dtype (zlib
-saves ~20 % on bf16 values but decompresses far slower than a rebuild may take). In memory a
-patch is held decoded (int64 positions + values), so a rebuild is copy + scatter only.
+saves ~20 % on bf16 values but decompresses far slower than a rebuild may take). In memory a patch
+is held decoded (int64 positions + values), so a rebuild is copy + scatter only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Publishing: weights (full or a delta against a parent) become a durable, visible version.
 
-In: a state dict, a safetensors file/shard directory, or a delta file (``oldlogit._delta``
+In: a state dict, a safetensors file/shard directory, or a delta file (``oldlogit.contract.delta``
 format) against a retained parent; an optional expected sha256. Out: a ``PublishOutcome`` once
 file and registry record are durable (temp → fsync → rename → fsync dir → claim → registry),
 or a typed error with nothing left behind. Names, dtypes and shapes are checked before any

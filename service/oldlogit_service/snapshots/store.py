@@ -317,7 +317,7 @@ class SnapshotStore:
         parent: int | None = None,
         expected_sha256: str | None = None,
     ) -> PublishOutcome:
-        """Publish from a delta file (``oldlogit._delta`` format) against a retained parent;
+        """Publish from a delta file (``oldlogit.contract.delta`` format) against a retained parent;
         ``ParentMissing`` when this store does not hold it with the weights the delta was
         made against."""
         version = check_version(version)

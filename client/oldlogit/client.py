@@ -66,7 +66,7 @@ def _default_holder() -> str:
 
 
 def _routing_key(req: LogprobsRequest) -> int | None:
-    """The version a request is routed by (replicas are ranked per version: README "Scale-out")."""
+    """The version a request is routed by (replicas are ranked per version: docs/operations.md)."""
     for seq in req.sequences:
         if seq.policy_version is not None:
             return seq.policy_version

@@ -25,7 +25,7 @@ __all__ = [
 # Rows per GEMM tile in the invariant profile. Part of the numerics: a trainer and the service
 # must use the same value (changing it changes last bits). 64 rows keep short sequences cheap on
 # CPU (padding a sequence costs at most 63 rows per matmul) and measured as fast as one plain
-# GEMM for float32 (README "Exactness contract").
+# GEMM for float32 (docs/exactness.md).
 DEFAULT_TILE_ROWS = 64
 
 # Bumped whenever oldlogit changes the bits it computes for the same settings (a kernel, an op's

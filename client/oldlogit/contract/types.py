@@ -309,7 +309,7 @@ class VersionInfo(_Model):
     weight_sha256: str
     nbytes: int  # bytes of the full weights in the serving dtype
     tiers: list[str]  # where it is resident now: "device", "host", "disk"
-    kind: str = "keyframe"  # "keyframe" or "patch" (README "Delta snapshots")
+    kind: str = "keyframe"  # "keyframe" or "patch" (docs/delta-snapshots.md)
     parent: int | None = None
     leases: int = 0
     created_at: float = 0.0  # unix seconds of the publish
@@ -380,7 +380,7 @@ class OpenSession(_Model):
 
 
 class SessionInfo(_Model):
-    """A multi-rank publish session (README "Publishing from several ranks")."""
+    """A multi-rank publish session (docs/multi-rank-publishing.md)."""
 
     session_id: str
     policy_version: int
@@ -424,7 +424,7 @@ class Info(_Model):
     versions: list[int] = Field(default_factory=list)
     watermark: int | None = None
     server_version: str = ""
-    # The numerics besides dtype and device (README "Exactness contract"): the profile
+    # The numerics besides dtype and device (docs/exactness.md): the profile
     # ("invariant" or "hf"), rows per GEMM tile (invariant only), CPU intra-op threads (0 on
     # CUDA), the fp32 head switch, the attention kernel, oldlogit's numerics revision (0 from an
     # older server) and the torch build.
@@ -441,8 +441,8 @@ class Info(_Model):
     buffers: dict[str, str] = Field(default_factory=dict)
     buffer_convention: str = ""
     transformers_version: str = ""
-    # The weights a version holds and the other names they arrive under (README "Use with
-    # your trainer"): what ``Client.publish`` maps a trainer's state dict onto.
+    # The weights a version holds and the other names they arrive under (docs/trainers.md,
+    # "Publishing what a trainer holds"): what ``Client.publish`` maps a trainer's state dict onto.
     weight_specs: dict[str, TensorInfo] = Field(default_factory=dict)
     tied_weights: dict[str, str] = Field(default_factory=dict)
     weight_sources: dict[str, SourceInfo] = Field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Trainer-side off-policy correction that keeps the two ratios of π_θ / μ apart (README).
+"""Trainer-side off-policy correction: the two ratios of π_θ / μ kept apart (docs/correction.md).
 
 In: per-token logprobs — π_θ (the trainer's forward, with grad), π_old (oldlogit's exact
 training-side logprobs at each token's sampling version) and μ (the inference engine's) — as

@@ -4,7 +4,7 @@ In: on *every* rank of a ``torch.distributed`` group, the same call with that ra
 dict — an FSDP2 ``model.state_dict()`` (DTensor values: every rank holds every name) or the
 tensors the rank owns (plain values: disjoint names across ranks). Out: the version's
 ``PublishResult`` on every rank, or the same failure raised on every rank. The protocol is a
-publish session (README "Publishing from several ranks"):
+publish session (docs/multi-rank-publishing.md):
 
 - rank 0 opens the session and broadcasts its id;
 - DTensor state: canonical tensors are owned round-robin by sorted name; every rank takes part

@@ -72,7 +72,7 @@ class Transport(Protocol):
 
     async def list_replicas(self, timeout_s: float | None) -> list[dict[str, Any]]: ...
 
-    # Multi-rank publish sessions (README "Publishing from several ranks").
+    # Multi-rank publish sessions (docs/multi-rank-publishing.md).
     async def open_session(self, request: OpenSession, timeout_s: float | None) -> SessionInfo: ...
 
     async def upload_part(

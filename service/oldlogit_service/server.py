@@ -72,7 +72,6 @@ class Service:
     intake: Intake
     auth: Auth
     control: Control
-    store: SnapshotStore
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -210,12 +209,13 @@ def build_service(settings: Settings) -> Service:
         fast_deviation=fast_deviation,
     )
     intake = Intake(settings, model, store, metrics, ewma=ewma)
-    return Service(settings, runtime, intake, Auth(settings), control, store)
+    return Service(settings, runtime, intake, Auth(settings), control)
 
 
 def build_runtime(settings: Settings) -> Runtime:
     """The data plane alone, in process (tests, notebooks): ``build_service``'s runtime, with
-    no transport and no sweeper; publish through its ``store``, close with ``close()``."""
+    no transport and no sweeper; close with ``close()``. A publish through its ``store`` skips
+    the intake (no publish metrics, no EWMA fold): ``build_service(...).intake`` has them."""
     return build_service(settings).runtime
 
 

@@ -64,12 +64,14 @@ class LeaseBody(BaseModel):
 
 
 class PublishByPathBody(BaseModel):
+    """The JSON shape of a publish by path; its fields are checked once, by ``PublishHeader``."""
+
     model_config = ConfigDict(extra="forbid")
-    policy_version: int = Field(ge=0, le=MAX_VERSION)
+    policy_version: int
     path: str
     sha256: str | None = None
     delta: bool = False
-    parent: int | None = Field(None, ge=0, le=MAX_VERSION)
+    parent: int | None = None
 
 
 def error_response(exc: OldLogitError) -> Response:

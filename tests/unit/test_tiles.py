@@ -153,14 +153,15 @@ def test_weight_gradient_is_one_gemm_without_per_tile_copies(dtype):
     torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol * 10)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     ("k", "n", "bias"), [(512, 1536, False), (896, 128, True), (64, 8192, False)]
 )
 def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
-    """The bulk of a long input runs CHUNK_ROWS rows per GEMM only where one such call was
-    checked to reproduce its 64-row tiles; either way every row gets exactly the bits of the
-    tile it falls in (computed here one 64-row call at a time), whatever the row count."""
+    """The whole tiles of an input run up to CHUNK_ROWS rows per GEMM only where one such call
+    was checked to reproduce its 64-row tiles; either way every row gets exactly the bits of
+    the tile it falls in (computed here as the definition says: one 64-row call at a time, or
+    for float32 one bmm over the tiles), whatever the row count."""
     from oldlogit.parity import tiles
 
     gen = torch.Generator().manual_seed(k + n)
@@ -171,13 +172,18 @@ def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
     def reference(rows: torch.Tensor) -> torch.Tensor:
         padded = torch.zeros(-(-rows.shape[0] // 64) * 64, k, dtype=dtype)
         padded[: rows.shape[0]] = rows
+        if dtype == torch.float32:
+            a = padded.view(-1, 64, k)
+            w = weight.t().unsqueeze(0).expand(a.shape[0], k, n)
+            out = torch.bmm(a, w) if b is None else torch.baddbmm(b.expand(*a.shape[:2], n), a, w)
+            return out.reshape(-1, n)[: rows.shape[0]]
         parts = [
             (torch.addmm(b, t, weight.t()) if b is not None else t @ weight.t())
             for t in padded.split(64)
         ]
         return torch.cat(parts)[: rows.shape[0]]
 
-    for m in (tiles.CHUNK_ROWS, tiles.CHUNK_ROWS + 1, x.shape[0]):
+    for m in (1, 64, 100, 128, 448, tiles.CHUNK_ROWS, tiles.CHUNK_ROWS + 1, x.shape[0]):
         assert torch.equal(tiled_mm(x[:m], weight, 64, b), reference(x[:m])), m
     # This machine's kernels pass the check (else the chunks would buy nothing here) ...
     assert tiles.chunk_verified(weight, b, 64, tiles.CHUNK_ROWS)

@@ -65,7 +65,9 @@ def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingP
 
 def _processed_rows(logits: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:
     vocab = logits.shape[-1]
-    x = logits.float() / sampling.temperature  # [s, V]; dividing by 1.0 is exact
+    x = logits.float()  # [s, V]
+    if sampling.temperature != 1.0:  # dividing by 1.0 is exact: skipped, the same bits
+        x = x / sampling.temperature
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]  # [s, 1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -146,8 +148,10 @@ def token_logprobs(
     if logits_to_keep is not None and not 0 < logits_to_keep < length:
         raise ValueError(f"logits_to_keep must be in [1, {length - 1}], got {logits_to_keep}")
     segments, _ = plan_segments(batch, length, attention_mask, position_ids)
+    real = torch.zeros(batch, length, dtype=torch.bool)  # [B, T]: a token of some sequence
     scored = torch.zeros(batch, length, dtype=torch.bool)  # [B, T]: has a prefix in its sequence
     for b, s, e in segments.rows:
+        real[b, s:e] = True
         scored[b, s + 1 : e] = True
     first = 1 if logits_to_keep is None else length - logits_to_keep
     rows = length if logits_to_keep is None else logits_to_keep + 1
@@ -164,21 +168,42 @@ def token_logprobs(
         },
     )
     logits = out.logits if hasattr(out, "logits") else out[0]  # [B, rows, V]
-    # Logits row r is position length - rows + r and predicts the token after it.
+    # Logits row r is position length - rows + r and predicts the token after it; the scored
+    # targets [first, length) are rows lo … lo + Q - 1.
     lo = first - 1 - (length - rows)
-    pred = logits[:, lo : lo + (length - first), :]  # [B, Q, V] for targets [first, length)
-    mask = scored[:, first:].reshape(-1).to(input_ids.device)  # [B * Q]
-    flat_idx = mask.nonzero().squeeze(-1)  # [S]
-    vocab = pred.shape[-1]
-    picked = pred.reshape(-1, vocab).index_select(0, flat_idx)  # [S, V]
-    targets = input_ids[:, first:].reshape(-1).index_select(0, flat_idx)  # [S]
-    lp = processed_logprobs(picked, targets.long(), sampling)  # [S] float32
-    flat = torch.zeros(mask.shape[0], dtype=torch.float32, device=lp.device)
-    flat = flat.index_put((flat_idx,), lp)
-    result = flat.view(batch, length - first)  # columns: positions [first, length)
+    width = length - first
+    vocab = logits.shape[-1]
+    device = logits.device
+    # Targets of every logits row (a dummy 0 after the last position), flattened [B * rows].
+    targets = torch.cat(
+        [input_ids[:, length - rows + 1 :], input_ids.new_zeros(batch, 1)], dim=1
+    ).reshape(-1)
+    # The processing is row-wise, so it runs over spans of consecutive logits rows of real
+    # tokens (views, no gather of [S, V] rows); the rows in a span that are not scored (a
+    # sequence's last token) are computed and dropped — only tokens of sequences, never padding.
+    covered = real[:, length - rows :].reshape(-1)  # [B * rows]
+    flat_logits = logits.reshape(batch * rows, vocab)
+    lp = torch.zeros(batch * rows, dtype=torch.float32, device=device)
+    for a, c in _spans(covered):
+        lp[a:c] = processed_logprobs(flat_logits[a:c], targets[a:c].long(), sampling)
+    result = lp.view(batch, rows)[:, lo : lo + width]  # columns: positions [first, length)
+    mask = scored[:, first:].to(device)  # [B, Q]
+    result = torch.where(mask, result, result.new_zeros(()))
     if logits_to_keep is None:  # aligned with input_ids: position 0 has no prefix
         result = torch.cat([result.new_zeros(batch, 1), result], dim=1)
     return result
+
+
+def _spans(mask: Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a 1-D bool tensor (CPU)."""
+    edges = torch.diff(
+        mask.to(torch.int8),
+        prepend=mask.new_zeros(1, dtype=torch.int8),
+        append=mask.new_zeros(1, dtype=torch.int8),
+    )
+    starts = (edges == 1).nonzero().flatten().tolist()
+    ends = (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends, strict=True))
 
 
 # ---------------------------------------------------------------------------- service split

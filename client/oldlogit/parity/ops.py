@@ -145,6 +145,13 @@ def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) ->
     inplace = bool(kwargs.pop("inplace", False))
     n = x.numel()
     flat = x.reshape(-1)
+    if n <= POINTWISE_BLOCK and n % _ALIGN == 0:  # one block, no padding: the call itself
+        out1 = func(flat, *rest, **kwargs).view(x.shape)
+        if inplace:
+            with torch.no_grad():
+                x.copy_(out1)
+            return x
+        return out1
     padded = -(-n // _ALIGN) * _ALIGN
     if padded != n:
         flat = torch.cat([flat, flat.new_zeros(padded - n)])

@@ -8,21 +8,24 @@ number of rows, its place in its tile, or what the other rows hold. A plain ``F.
 not have that property (CPU kernels are picked by the row count; measured in
 tests/unit/test_tiles.py).
 
-How the tiles run depends on (device, dtype, N) only, never on the number of rows:
+How a tile is computed depends on (device, dtype, N) only, never on the number of rows — that
+is the definition:
 - CPU float32, N > 1: one ``bmm`` over a [tiles, T, K] view and a stride-0 view of the weight;
   N == 1 (a one-output projection such as Qwen2-MoE's shared-expert gate) loops like bf16,
   because a batched matrix-vector product's bits change with the number of tiles (measured:
   16 vs 17 rows at tile 16, tests/unit/test_tiles.py);
-- CPU bfloat16/float16: one ``mm`` per tile into a preallocated output (``bmm`` in bf16 is
-  several times slower than ``mm`` on CPU) — except that the bulk of a long input runs
-  ``CHUNK_ROWS`` rows per call where that gives each of its tiles the very bits of its own
-  64-row call: checked once per process for each GEMM shape (weight shape and strides, dtype,
-  bias, thread count) on random rows against the real weight (``chunk_verified``), tiles
-  otherwise. A row's bits are still the tile's by definition; the chunk is only a faster way to
-  compute them (64-row GEMMs run at a third of a 512-row GEMM's speed here, measured at
-  Qwen2.5-0.5B's shapes);
+- CPU bfloat16/float16: one ``mm`` per tile (``bmm`` in bf16 is several times slower than
+  ``mm`` on CPU);
 - CUDA: one ``mm`` per tile (one cuBLAS shape; a batched call's kernel may depend on the
   batch count).
+On CPU the whole tiles of an input run as chunks of up to ``CHUNK_ROWS`` rows (a multiple of
+the tile) per GEMM where that gives each of its tiles the very bits of the definition:
+checked once per process for each GEMM shape and chunk size (weight shape and strides, dtype,
+bias, thread count) on random rows against the real weight (``chunk_verified``), tiles
+otherwise. A row's bits are still the tile's by definition; the chunk is only a faster way to
+compute them (a 64-row GEMM runs at a third of a 512-row GEMM's speed in bf16 and a 64-row
+``bmm`` below one ``mm`` in float32, measured at Qwen2.5-0.5B's shapes). The last, partial
+tile is zero-padded and computed as the definition says.
 The backward is tiled the same way for the input gradient; the weight gradient is one 2-D GEMM
 over all rows (a reduction over the batch by definition), so no per-tile weight gradients exist.
 """
@@ -82,8 +85,8 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
         b = None if bias is None else bias.detach()
         whole = _gemm(rows, w.t(), b, rows.new_empty(chunk_rows, w.shape[0]))
         tiles = rows.new_empty(chunk_rows, w.shape[0])
-        for start in range(0, chunk_rows, tile_rows):
-            _gemm(rows[start : start + tile_rows], w.t(), b, tiles[start : start + tile_rows])
+        strategy = tile_strategy(w.device, w.dtype, w.shape[0])
+        _tiles(rows, w.t(), b, tiles, tile_rows, strategy)
         ok = bool(torch.equal(whole, tiles))
         _verified[key] = ok
     return ok
@@ -109,7 +112,8 @@ def tiled_mm(
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) → [M, N] through tiles of ``tile_rows`` rows.
 
     No autograd. The bias is added by the GEMM itself (``baddbmm``/``addmm``: one pass over
-    the output), the same way on every tile.
+    the output), the same way on every tile. On CPU the whole tiles run as verified chunks of
+    at most ``CHUNK_ROWS`` rows (``chunk_verified``), the rest as the tiles themselves.
     """
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
@@ -117,44 +121,48 @@ def tiled_mm(
     n_out = weight.shape[0]
     if m == 0:
         return x.new_empty(0, n_out)
-    tiles = -(-m // tile_rows)
-    rows = tiles * tile_rows
-    w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
-    if tile_strategy(x.device, x.dtype, n_out) == "bmm":
-        if rows == m:
-            padded = x.contiguous()  # [rows, K]
-        else:
-            padded = x.new_zeros(rows, k)  # [rows, K], zero rows past M
-            padded[:m] = x
-        a = padded.view(tiles, tile_rows, k)
-        b = w_t.unsqueeze(0).expand(tiles, k, n_out)
-        if bias is None:
-            out = torch.bmm(a, b)
-        else:
-            out = torch.baddbmm(bias.expand(tiles, tile_rows, n_out), a, b)
-        return out.view(rows, n_out)[:m]  # [M, N]
     x = x.contiguous()
+    w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
+    strategy = tile_strategy(x.device, x.dtype, n_out)
+    rows = -(-m // tile_rows) * tile_rows
     out = x.new_empty(rows, n_out)  # [rows, N]
-    bulk = 0  # rows computed in whole chunks
-    chunk = CHUNK_ROWS
-    if (
-        chunk % tile_rows == 0
-        and m >= chunk
-        and x.device.type == "cpu"
-        and chunk_verified(weight, bias, tile_rows, chunk)
-    ):
-        bulk = m - m % chunk
-        for s in range(0, bulk, chunk):
-            _gemm(x[s : s + chunk], w_t, bias, out[s : s + chunk])
-    rest = m - bulk
-    if rest:  # one call per tile, the last one zero-padded
-        tail = x[bulk:]
-        if (rows - bulk) != rest:
-            tail = x.new_zeros(rows - bulk, k)  # [tail rows, K]
-            tail[:rest] = x[bulk:]
-        for s in range(0, rows - bulk, tile_rows):
-            _gemm(tail[s : s + tile_rows], w_t, bias, out[bulk + s : bulk + s + tile_rows])
+    done = 0  # rows computed in verified chunks
+    if x.device.type == "cpu":
+        whole = m - m % tile_rows  # rows in whole tiles
+        while done < whole:
+            chunk = min(CHUNK_ROWS - CHUNK_ROWS % tile_rows, whole - done)
+            if chunk <= 0 or not (
+                (chunk == tile_rows and strategy == "loop")
+                or chunk_verified(weight, bias, tile_rows, chunk)
+            ):
+                break
+            _gemm(x[done : done + chunk], w_t, bias, out[done : done + chunk])
+            done += chunk
+    if done < m:  # the tiles themselves, the last one zero-padded
+        rest = x[done:]
+        if rows - done != m - done:
+            rest = x.new_zeros(rows - done, k)  # [rest rows, K]
+            rest[: m - done] = x[done:]
+        _tiles(rest, w_t, bias, out[done:], tile_rows, strategy)
     return out[:m]
+
+
+def _tiles(
+    x: Tensor, w_t: Tensor, bias: Tensor | None, out: Tensor, tile_rows: int, strategy: TileStrategy
+) -> None:
+    """The definition: x [t·T, K] → out [t·T, N], one GEMM shape per ``tile_rows`` rows."""
+    if strategy == "bmm":
+        tiles = x.shape[0] // tile_rows
+        a = x.view(tiles, tile_rows, x.shape[1])
+        b = w_t.unsqueeze(0).expand(tiles, *w_t.shape)
+        o = out.view(tiles, tile_rows, w_t.shape[1])
+        if bias is None:
+            torch.bmm(a, b, out=o)
+        else:
+            torch.baddbmm(bias.expand(tiles, tile_rows, w_t.shape[1]), a, b, out=o)
+        return
+    for s in range(0, x.shape[0], tile_rows):
+        _gemm(x[s : s + tile_rows], w_t, bias, out[s : s + tile_rows])
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -191,5 +199,10 @@ def tiled_linear(
 
     Differentiable: the input gradient is tiled too, the weight gradient is one GEMM.
     """
+    if not torch.is_grad_enabled() or not (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):  # no graph to record: the same forward without autograd.Function's per-call cost
+        y = tiled_mm(x.reshape(-1, x.shape[-1]), weight, tile_rows, bias)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     out: Tensor = _TiledLinear.apply(x, weight, bias, tile_rows)  # type: ignore[no-untyped-call]
     return out

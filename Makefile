@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck proto install trainer-venv validate-deploy image base-images compose-test
+.PHONY: demo test lint typecheck proto install trainer-venv peer-venv validate-deploy image base-images compose-test
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ install: $(STAMP)
 # tests marked `verl` run a trainer there against a service here (they skip without it).
 trainer-venv:
 	scripts/trainer_venv.sh
+
+# The optional `peer` extra (ray[serve]) in .venv, for `oldlogit bench peer`'s Ray Serve peer;
+# `make install` and CI leave it out (the suite measures oldlogit and naive without it).
+peer-venv: $(STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[service,dev,peer]"
 
 demo: $(STAMP)
 	$(VENV)/bin/oldlogit serve --demo --snapshot-dir ./snapshots/demo

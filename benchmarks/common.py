@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -13,7 +14,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# The mixed-version workload of versions-vs-naive (benchmarks/throughput.py) and of
+# benchmarks/peer.py: VERSIONS versions, requests Zipf-like toward the newest, a device budget
+# of BUDGET_VERSIONS versions (the server's --device-budget-gib; the Ray Serve peer's
+# max_num_models_per_replica).
+VERSIONS = 16
+BUDGET_VERSIONS = 4
 
 
 @dataclass
@@ -144,3 +155,82 @@ def concurrent(n: int, fn: Callable[[int], None]) -> float:
     if errors:
         raise errors[0]
     return time.perf_counter() - t0
+
+
+def p50_p99_ms(latencies_s: list[float]) -> dict[str, float]:
+    """The median and 99th percentile of per-request latencies, in milliseconds."""
+    lats = sorted(latencies_s)
+    return {
+        "p50_ms": 1000 * lats[len(lats) // 2],
+        "p99_ms": 1000 * lats[min(len(lats) - 1, int(0.99 * len(lats)))],
+    }
+
+
+def write_versions(base: dict[str, torch.Tensor], vdir: Path) -> list[dict[str, torch.Tensor]]:
+    """VERSIONS versions of ``base`` (each 3 % of the elements moved from the last), written
+    as ``vdir/v{v}.safetensors`` for the servers that load a version from a file (the naive
+    server, the Ray Serve peer); returns them for ``Client.publish``."""
+    from safetensors.torch import save_file
+
+    from oldlogit_service.demo.deployment import demo_versions
+
+    versions = demo_versions(base, VERSIONS, changed_fraction=0.03)
+    vdir.mkdir(parents=True, exist_ok=True)
+    for v, w in enumerate(versions):
+        save_file({k: t.contiguous() for k, t in w.items()}, str(vdir / f"v{v}.safetensors"))
+    return versions
+
+
+def recent_skewed_requests(rng: random.Random, requests: int, clients: int) -> dict[int, list[int]]:
+    """``requests`` requests over VERSIONS versions, Zipf-like toward the newest, dealt round
+    robin to ``clients`` clients: client -> the versions it asks for, in order."""
+    newest = VERSIONS - 1
+    per_client: dict[int, list[int]] = {}
+    for i in range(requests):
+        v = newest - min(newest, int(rng.expovariate(0.35)))
+        per_client.setdefault(i % clients, []).append(v)
+    return per_client
+
+
+def naive_server(model_dir: Path, vdir: Path, dtype: str = "float32") -> ServerProcess:
+    """benchmarks/naive_server.py in a subprocess, on the versions ``write_versions`` wrote."""
+    cmd = [sys.executable, "-m", "benchmarks.naive_server", "--model", str(model_dir)]
+    cmd += ["--versions", str(vdir), "--dtype", dtype]
+    return ServerProcess([], cmd=cmd, ports=("http",))
+
+
+def versions_server(
+    model_dir: Path,
+    snapshot_dir: Path,
+    base: dict[str, torch.Tensor],
+    *,
+    mode: str = "deterministic",
+    dtype: str = "float32",
+    max_batch_tokens: int,
+) -> ServerProcess:
+    """`oldlogit serve` as the versions workload measures it: no response cache, a device
+    budget of BUDGET_VERSIONS versions of ``base``'s size, a 2 ms batching window; the
+    invariant numerics in deterministic mode, the plain ones in fast mode."""
+    one_gib = sum(t.numel() * t.element_size() for t in base.values()) / 1024**3
+    return ServerProcess(
+        [
+            "--model",
+            str(model_dir),
+            "--snapshot-dir",
+            str(snapshot_dir),
+            "--dtype",
+            dtype,
+            "--mode",
+            mode,
+            "--numerics",
+            "invariant" if mode == "deterministic" else "hf",
+            "--cache-budget-mib",
+            "0",
+            "--device-budget-gib",
+            f"{(BUDGET_VERSIONS + 0.5) * one_gib:.9f}",
+            "--max-wait-ms",
+            "2",
+            "--max-batch-tokens",
+            str(max_batch_tokens),
+        ]
+    )

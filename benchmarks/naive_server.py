@@ -22,6 +22,22 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 
+def load_version(model: Any, versions_dir: Path, version: int | str) -> None:
+    """Load version ``version``'s weights (``v{version}.safetensors``) into ``model``."""
+    state = load_file(str(Path(versions_dir) / f"v{version}.safetensors"))
+    model.load_state_dict(state, strict=False)
+
+
+def token_logprobs(model: Any, token_ids: list[int]) -> list[float]:
+    """One transformers forward on one sequence: the float32 log-softmax of its logits,
+    gathered at the tokens of positions 1..n-1 (raw distribution)."""
+    ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        logits = model(ids).logits.float()  # [1, T, V]
+    lp = torch.log_softmax(logits[0, :-1], dim=-1)
+    return list(lp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+
+
 class Req(BaseModel):
     token_ids: list[int]
     policy_version: int
@@ -37,15 +53,9 @@ def create_app(model_dir: Path, versions_dir: Path, dtype: torch.dtype) -> FastA
     def logprobs(req: Req) -> dict[str, Any]:  # sync: FastAPI runs it in its thread pool
         with lock:
             if current["version"] != req.policy_version:
-                state = load_file(str(versions_dir / f"v{req.policy_version}.safetensors"))
-                model.load_state_dict(state, strict=False)
+                load_version(model, versions_dir, req.policy_version)
                 current["version"] = req.policy_version
-            ids = torch.tensor([req.token_ids])
-            with torch.inference_mode():
-                logits = model(ids).logits.float()  # [1, T, V]
-            lp = torch.log_softmax(logits[0, :-1], dim=-1)
-            out = lp.gather(-1, ids[0, 1:, None])[:, 0]
-        return {"logprobs": out.tolist()}
+            return {"logprobs": token_logprobs(model, req.token_ids)}
 
     return app
 

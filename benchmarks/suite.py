@@ -8,7 +8,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import delta_trace, models, parity, pipeline, serving, soak, throughput, tls
+from benchmarks import (
+    delta_trace,
+    models,
+    parity,
+    peer,
+    pipeline,
+    serving,
+    soak,
+    throughput,
+    tls,
+)
 from benchmarks.common import Figure, print_table, write_results
 
 SUITES = {  # each runs some figures (docs/performance.md)
@@ -20,6 +30,7 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "soak": soak,
     "tls": tls,
     "models": models,
+    "peer": peer,
 }
 DEFAULT = [
     "serving",
@@ -28,7 +39,7 @@ DEFAULT = [
     "parity",
     "pipeline",
     "tls",
-]  # the soak and the real-size models run for minutes: ask for them by name
+]  # the soak and the real-size models run for minutes, peer starts Ray: ask for them by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures",
         nargs="*",
         metavar="suite",
-        help=f"which suites (default all but soak and models): {sorted(SUITES)}",
+        help=f"which suites (default all but soak, models and peer): {sorted(SUITES)}",
     )
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for CI")
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline.add_args(p)
     tls.add_args(p)
     models.add_args(p)
+    peer.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(SUITES))
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.smoke(args)
         tls.smoke(args)
         models.smoke(args)
+        peer.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -24,7 +24,6 @@ import argparse
 import random
 import re
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -34,7 +33,19 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.common import Figure, ServerProcess, concurrent, summary, timed
+from benchmarks.common import (
+    BUDGET_VERSIONS,
+    VERSIONS,
+    Figure,
+    concurrent,
+    naive_server,
+    p50_p99_ms,
+    recent_skewed_requests,
+    summary,
+    timed,
+    versions_server,
+    write_versions,
+)
 from benchmarks.serving import build_model
 
 
@@ -69,7 +80,6 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 def run(args: argparse.Namespace) -> list[Figure]:
     from oldlogit import Client, Sequence
-    from oldlogit_service.demo.deployment import demo_versions
     from oldlogit_service.model.checkpoints import load_weights
     from oldlogit_service.model.engine import Engine, Job, measure_fast_mode_deviation
     from oldlogit_service.model.loaded import load_model
@@ -113,54 +123,16 @@ def run(args: argparse.Namespace) -> list[Figure]:
         )
     )
 
-    # The versions: 16 for versions-vs-naive, written for the naive server too.
-    versions = demo_versions(base, 16, changed_fraction=0.03)
-    vdir = root / "versions"
-    vdir.mkdir()
-    from safetensors.torch import save_file
-
-    hf_names = {k: k for k in base}
-    for v, w in enumerate(versions):
-        save_file(
-            {hf_names[k]: t.contiguous() for k, t in w.items()}, str(vdir / f"v{v}.safetensors")
-        )
-    one_gib = sum(t.numel() * t.element_size() for t in base.values()) / 1024**3
-
-    naive = ServerProcess(
-        [],
-        cmd=[
-            sys.executable,
-            "-m",
-            "benchmarks.naive_server",
-            "--model",
-            str(model_dir),
-            "--versions",
-            str(vdir),
-        ],
-        ports=("http",),
-    )
+    # The versions of versions-vs-naive, written for the naive server too.
+    versions = write_versions(base, root / "versions")
+    naive = naive_server(model_dir, root / "versions")
     servers = {
-        mode: ServerProcess(
-            [
-                "--model",
-                str(model_dir),
-                "--snapshot-dir",
-                str(root / f"snap-{mode}"),
-                "--dtype",
-                "float32",
-                "--mode",
-                mode,
-                "--numerics",
-                "invariant" if mode == "deterministic" else "hf",
-                "--cache-budget-mib",
-                "0",
-                "--device-budget-gib",
-                f"{4.5 * one_gib:.9f}",
-                "--max-wait-ms",
-                "2",
-                "--max-batch-tokens",
-                str(max(args.seqs * args.seq_len, conc * L)),
-            ]
+        mode: versions_server(
+            model_dir,
+            root / f"snap-{mode}",
+            base,
+            mode=mode,
+            max_batch_tokens=max(args.seqs * args.seq_len, conc * L),
         )
         for mode in ("deterministic", "fast")
     }
@@ -247,13 +219,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 c.close()
 
         # versions-vs-naive: 16 versions, Zipf-like toward recent, device budget 4 versions.
-        reqs = [
-            (i % conc, 15 - min(15, int(rng.expovariate(0.35))))
-            for i in range(args.versions_requests)
-        ]
-        per_client: dict[int, list[int]] = {}
-        for i, v in reqs:
-            per_client.setdefault(i, []).append(v)
+        per_client = recent_skewed_requests(rng, args.versions_requests, conc)
         naive_versions_s = concurrent(
             conc, lambda i: [naive_one(i, v) for v in per_client.get(i, [])]
         )
@@ -278,12 +244,12 @@ def run(args: argparse.Namespace) -> list[Figure]:
         figures.append(
             Figure(
                 "versions-vs-naive",
-                f"16 versions, budget 4 ({args.versions_mode}) ÷ naive",
+                f"{VERSIONS} versions, budget {BUDGET_VERSIONS} ({args.versions_mode}) ÷ naive",
                 naive_versions_s / ours_versions_s,
                 "ratio",
                 ">= 2",
                 {
-                    "requests": len(reqs),
+                    "requests": args.versions_requests,
                     "naive_s": naive_versions_s,
                     "oldlogit_s": ours_versions_s,
                     "device_evictions": evictions,
@@ -307,10 +273,10 @@ def run(args: argparse.Namespace) -> list[Figure]:
             Figure(
                 "versions-vs-naive-ceiling",
                 f"naive ÷ in-process with no version switch ({args.versions_mode})",
-                naive_versions_s / (len(reqs) * inproc_s[args.versions_mode]),
+                naive_versions_s / (args.versions_requests * inproc_s[args.versions_mode]),
                 "ratio",
                 "",
-                {"in_process_s": len(reqs) * inproc_s[args.versions_mode]},
+                {"in_process_s": args.versions_requests * inproc_s[args.versions_mode]},
             )
         )
 
@@ -370,12 +336,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     k += conc
 
             concurrent(conc, one)
-            lats.sort()
-            lat_detail[f"{int(frac * 100)}%"] = {
-                "rate_rps": rate,
-                "p50_ms": 1000 * lats[len(lats) // 2],
-                "p99_ms": 1000 * lats[min(len(lats) - 1, int(0.99 * len(lats)))],
-            }
+            lat_detail[f"{int(frac * 100)}%"] = {"rate_rps": rate, **p50_p99_ms(lats)}
         for c in clients:
             c.close()
         figures.append(

@@ -37,8 +37,11 @@ __all__ = [
     "LeaseInfo",
     "LogprobsRequest",
     "LogprobsResponse",
+    "MoeInfo",
     "OpenSession",
     "PublishResult",
+    "RoutedExperts",
+    "RoutingIds",
     "Sampling",
     "Sequence",
     "SequenceResult",
@@ -170,6 +173,46 @@ FloatArray = Annotated[
 ]
 
 
+def _as_routing_ids(value: Any) -> npt.NDArray[np.int32]:
+    try:
+        if isinstance(value, np.ndarray):
+            arr = value
+        elif hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+            arr = value.detach().cpu().numpy()
+        else:
+            if value is None or isinstance(value, (str, bytes, dict, int, float)):
+                raise ValueError("expected nested lists of integers [rows, layers, top_k]")
+            arr = np.asarray(value)
+            if arr.size == 0:
+                arr = arr.astype(np.int64)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"expected nested lists of integers ({type(exc).__name__})") from exc
+    if arr.ndim != 3:
+        raise ValueError(f"expected [rows, layers, top_k] integers, got shape {tuple(arr.shape)}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"expected integers, got {arr.dtype}")
+    lim = np.iinfo(np.int32)
+    if arr.size and (int(arr.max()) > lim.max or int(arr.min()) < lim.min):
+        raise ValueError("expert id out of the int32 range")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+RoutingIds = Annotated[
+    npt.NDArray[np.int32],
+    BeforeValidator(_as_routing_ids),
+    PlainSerializer(lambda a: a.tolist(), return_type=list[Any]),
+    WithJsonSchema(
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+            "description": "[rows, MoE layers, top_k] expert ids; a row of -1: no record",
+        }
+    ),
+]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
@@ -187,12 +230,26 @@ class Sampling(_Model):
     top_p: float = 1.0
 
 
+class RoutedExperts(_Model):
+    """A MoE routing record (``oldlogit.contract.routing``; docs/exactness.md, "Routing
+    replay"): ``ids[r, j]`` are the top_k expert ids MoE layer j (the model's MoE layers in
+    decoder order, ``Info.moe.layers``) chose when the forward processed the token at position
+    ``start + r``. A row of all −1 has no record: that position routes freely. Shapes and
+    types only here; the service's ``validate`` checks the meaning against the model."""
+
+    ids: RoutingIds
+    start: int = Field(default=0, ge=0)
+
+
 class Sequence(_Model):
     """One sequence to score.
 
     Either ``policy_version`` (+ ``score_from``, default 1: positions ≥ score_from are scored
     with that version) or ``versions`` (one per token, −1 = not scored). Position 0 is never
     scored. ``sampling`` overrides the request's sampling for this sequence.
+    ``routed_experts`` (MoE models): the experts each position's forward is sent to (its rows
+    end at position n − 2 or n − 1; −1 rows and positions before its ``start`` route freely),
+    the same record for every version the sequence is scored with.
     """
 
     token_ids: IntArray
@@ -200,6 +257,7 @@ class Sequence(_Model):
     score_from: int | None = None
     versions: IntArray | None = None
     sampling: Sampling | None = None
+    routed_experts: RoutedExperts | None = None
 
     def scored_mask(self) -> npt.NDArray[np.bool_]:
         return scored_mask(len(self.token_ids), self.policy_version, self.score_from, self.versions)
@@ -250,6 +308,8 @@ class LogprobsRequest(_Model):
     allow_inexact: bool = False  # fall back to an approximation when the version is gone
     use_cache: bool = True
     timeout_s: float | None = None  # server-side deadline; clients set it from their timeout
+    # MoE models: return the routing each (sequence, version) forward used, for replay (R2).
+    return_routing: bool = False
 
 
 class SequenceResult(_Model):
@@ -258,6 +318,9 @@ class SequenceResult(_Model):
     weight_sha256: dict[int, str]  # version → weight sha256 it was computed with
     exact: bool = True
     cached: bool = False
+    # With ``return_routing``: one record per entry of ``versions`` (that version's forward),
+    # rows 0 … n − 2 (start 0): the routing the scored logprobs depend on.
+    routed_experts: list[RoutedExperts] | None = None
 
 
 class LogprobsResponse(_Model):
@@ -409,6 +472,15 @@ class SourceInfo(_Model):
     count: int = 1
 
 
+class MoeInfo(_Model):
+    """A mixture-of-experts model's routing shape: what a ``RoutedExperts`` record holds."""
+
+    layers: list[int] = Field(default_factory=list)  # decoder layer index of each MoE layer
+    num_experts: int = 0  # routed experts per MoE layer (shared experts not counted)
+    top_k: int = 0  # experts per token per MoE layer
+    num_hidden_layers: int = 0  # decoder layers (vLLM's and SGLang's layer dimension)
+
+
 class Info(_Model):
     model_type: str  # e.g. "qwen2"
     architecture: str  # e.g. "Qwen2ForCausalLM"
@@ -447,6 +519,8 @@ class Info(_Model):
     tied_weights: dict[str, str] = Field(default_factory=dict)
     weight_sources: dict[str, SourceInfo] = Field(default_factory=dict)
     ignored_weights: list[str] = Field(default_factory=list)
+    # Mixture-of-experts models: the routing a ``RoutedExperts`` record describes (None: dense).
+    moe: MoeInfo | None = None
 
     def weight_layout(self) -> WeightLayout:
         """The model's ``layout.WeightLayout`` (empty specs on an older server)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch.func import functional_call
 
 from oldlogit.contract.numerics import SamplingParams
 
+from . import routing
 from .attention import plan_segments
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
 
@@ -129,6 +131,7 @@ def token_logprobs(
     lm_head_fp32: bool | None = None,
     logits_to_keep: int | None = None,
     weights: Mapping[str, Tensor] | None = None,
+    routed_experts: Tensor | None = None,
 ) -> Tensor:
     """Per-token processed logprobs with autograd: [B, T] aligned with ``input_ids``.
 
@@ -140,6 +143,10 @@ def token_logprobs(
     model with these tensors instead of its own (``torch.func.functional_call``).
     Under ``trainer_numerics`` the values are bitwise equal to the service's answer for the
     same sequence, whatever the batch, padding side or packing.
+    ``routed_experts`` (MoE models, under ``trainer_numerics``): [B, T, L, k] expert ids
+    aligned with ``input_ids`` — entry [b, t, j] the experts MoE layer j sends the token at
+    [b, t] to, −1 rows route freely, padding rows are ignored — replayed in the forward and its
+    backward (docs/exactness.md, "Routing replay"); the service's answer with the same record.
     """
     sampling = _sampling(temperature, top_k, top_p)
     if input_ids.dim() != 2:
@@ -155,18 +162,22 @@ def token_logprobs(
         scored[b, s + 1 : e] = True
     first = 1 if logits_to_keep is None else length - logits_to_keep
     rows = length if logits_to_keep is None else logits_to_keep + 1
-    out = _call(
-        model,
-        weights,
-        lm_head_fp32,
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "logits_to_keep": 0 if logits_to_keep is None else rows,
-            "use_cache": False,
-        },
-    )
+    replay = None
+    if routed_experts is not None:
+        replay = replay_routing(model, routed_experts, real, input_ids.device)
+    with routing.use(replay) if replay is not None else nullcontext():
+        out = _call(
+            model,
+            weights,
+            lm_head_fp32,
+            {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "position_ids": position_ids,
+                "logits_to_keep": 0 if logits_to_keep is None else rows,
+                "use_cache": False,
+            },
+        )
     logits = out.logits if hasattr(out, "logits") else out[0]  # [B, rows, V]
     # Logits row r is position length - rows + r and predicts the token after it; the scored
     # targets [first, length) are rows lo … lo + Q - 1.
@@ -192,6 +203,44 @@ def token_logprobs(
     if logits_to_keep is None:  # aligned with input_ids: position 0 has no prefix
         result = torch.cat([result.new_zeros(batch, 1), result], dim=1)
     return result
+
+
+def replay_routing(
+    model: nn.Module, routed_experts: Tensor, real: Tensor, device: torch.device
+) -> routing.Routing:
+    """A [B, T, L, k] record aligned with a batch as the forward's ``Routing`` over its
+    [B * T] rows; ``real`` [B, T] marks tokens of sequences (other rows route freely).
+    Checked by the service's rule (``oldlogit.contract.routing.check_routing``)."""
+    from oldlogit.contract.routing import check_routing
+
+    patch = active_patch(model)
+    if patch is None:
+        raise ValueError("routed_experts replays routing under trainer_numerics only")
+    layout = patch.moe
+    if layout is None:
+        raise ValueError(
+            f"routed_experts: {type(unwrap_model(model)).__name__} has no MoE layers whose "
+            "routing oldlogit replays"
+        )
+    batch, length = int(real.shape[0]), int(real.shape[1])
+    shape = [batch, length, len(layout.layers), layout.top_k]
+    if list(routed_experts.shape) != shape:
+        raise ValueError(
+            f"routed_experts must be [batch, seq, MoE layers, top_k] = {shape}, got "
+            f"{list(routed_experts.shape)}"
+        )
+    ids = routed_experts.detach().to("cpu", torch.int64).numpy().copy()  # [B, T, L, k]
+    ids[~real.numpy()] = -1  # padding: no record
+    for b in range(batch):
+        check_routing(
+            ids[b],
+            layers=len(layout.layers),
+            top_k=layout.top_k,
+            num_experts=layout.num_experts,
+            parameter=f"routed_experts[{b}]",
+        )
+    forced = torch.from_numpy(ids.reshape(batch * length, *shape[2:]))
+    return routing.Routing(forced=forced.to(device))
 
 
 def _spans(mask: Tensor) -> list[tuple[int, int]]:

@@ -25,7 +25,9 @@ that model holds it (a tensor transformers keeps in float32, cast by a module ca
 it for the forward, as the service holds it once published. A module whose forward is neither
 transformers' nor torch's (liger-kernel, PEFT, a hand-written forward) is refused by name in
 strict mode. Under ``torch.compile`` the patched forward runs eagerly (compiled code fuses ops
-and would change bits). On exit (``restore``) the model is exactly as before.
+and would change bits). MoE routing can be replayed (``routing``: given experts per token,
+the combine weights from the version's own router) and recorded. On exit (``restore``) the
+model is exactly as before.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 
-from . import attention
+from . import attention, routing
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments
 from .ops import TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
@@ -175,6 +177,7 @@ class NumericsPatch:
     # (module, its path + ".", attribute) of every checkpoint function slot of the model.
     _checkpointed: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     device_type: str = "cpu"  # of the last call (autocast is per device type)
+    moe: routing.MoeLayout | None = None  # the model's MoE blocks (None: dense)
 
     @contextmanager
     def plain(self) -> Iterator[None]:
@@ -558,6 +561,9 @@ def patch_numerics(
         if type(module).__name__ == "CheckpointWrapper":
             patch._checkpointed.append((module, f"{name}.", "checkpoint_fn"))
     patch._restore.append(patch.unwrap_checkpointing)
+    # MoE blocks say which layer routes, for a replayed or recorded routing (``routing``).
+    patch.moe = routing.moe_layout(core)
+    patch._restore.append(routing.install(core))
     setattr(core, _PATCH_ATTR, patch)
     patch._restore.append(lambda: delattr(core, _PATCH_ATTR))
     return patch
@@ -577,12 +583,15 @@ def _under_numerics(
     head: nn.Module | None = patch.model.get_output_embeddings()  # type: ignore[operator]
 
     def under_numerics(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        replay = routing.current()  # the forward's routing: the recompute replays it too
+
         def run(*ra: Any, **rk: Any) -> Any:
             cast = patch.compute.cast_params
             with (
                 _tile_mode(patch, head, patch.lm_head_fp32),
                 torch.autocast(patch.device_type, enabled=False),
                 patch.cast_parameters(module, prefix) if cast else nullcontext(),
+                routing.use(replay),
             ):
                 return fn(*ra, **rk)
 

@@ -5,7 +5,8 @@ call made batch-invariant, or refused:
 - ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``), the head optionally in
   float32;
 - ``torch.topk`` follows one explicit rule (``stable_topk``), so MoE routing picks the same
-  experts, in the same order, whatever the batch;
+  experts, in the same order, whatever the batch — or, under a replayed routing, the given
+  experts (``routing.routed_topk``);
 - pointwise transcendental ops on CPU (sigmoid, SiLU, GELU, tanh, exp, …) run on contiguous,
   64-aligned blocks of at most one thread's grain: torch's CPU loops compute the elements of a
   vector body and of a scalar tail with different code, and which elements fall in a tail
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from . import attention
+from . import attention, routing
 from .attention import InvariantNumericsError
 from .tiles import tiled_linear
 
@@ -215,7 +216,9 @@ class TileMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _TOPKS:
             x, k, dim, largest = _topk_args(args, kwargs)
-            return stable_topk(x, k, dim, largest)
+            # A MoE block's routing top-k under a replayed routing takes the given experts
+            # (``routing.routed_topk``); otherwise the stable rule's result, as it is.
+            return routing.routed_topk(x, k, dim, largest, stable_topk(x, k, dim, largest))
         if func in _POINTWISE and _cpu_float(args):
             return blockwise(func, *args, **kwargs)
         if (

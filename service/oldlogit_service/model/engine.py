@@ -18,7 +18,10 @@ How a batch runs depends on the model's numerics profile (``LoadedModel.profile`
   (``numerics.head_chunk_bounds``), only where a row is scored;
   ``fast`` pads sequences of similar length into [B, T_max] forwards and is off by up to a few
   ulps (``measure_fast_mode_deviation``).
-Jobs with identical token_ids share one forward: the same computation, so the same bits.
+Jobs with identical token_ids (and routing) share one forward: the same computation, so the
+same bits. MoE routing (invariant profile): a job's ``routing`` record is packed with its rows
+and replayed (``oldlogit.parity.routing``), and ``record_routing`` returns what the forward
+used (``Engine.score``).
 A trace job (``Job.trace``) runs alone through ``Engine.trace``: the digests of every stage of
 the sequence's forward (``oldlogit.parity.trace.forward_trace``, the function trainers run).
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -37,7 +40,8 @@ import torch
 from torch import Tensor
 
 from oldlogit.contract.errors import InvalidRequest, OutOfMemory
-from oldlogit.parity.logprobs import row_logits
+from oldlogit.parity import routing
+from oldlogit.parity.logprobs import decoder_hidden, row_logits
 from oldlogit.parity.trace import TraceStage, forward_trace
 from oldlogit_service.model.backends import TransformersBackend
 from oldlogit_service.model.loaded import LoadedModel
@@ -56,6 +60,7 @@ __all__ = [
     "Job",
     "NumericsCheckFailed",
     "SamplingParams",
+    "Scored",
     "measure_fast_mode_deviation",
     "self_check",
 ]
@@ -79,20 +84,37 @@ class Job:
 
     ``trace=True``: the stages of the sequence's forward instead (``Engine.trace``); the
     scheduler runs it beside the batch of its version, never packed with it.
+    MoE models under the invariant numerics: ``routing`` [T, L, k] forces the experts each
+    position's forward goes to (−1 rows route freely; ``oldlogit.parity.routing``), and
+    ``record_routing`` returns the routing the forward used (``Scored.routing``).
     """
 
     token_ids: Tensor  # [T] int64, CPU
     positions: Tensor  # [S] int64, sorted, unique, each in [1, T)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trace: bool = False
+    routing: Tensor | None = None  # [T, L, k] integer expert ids, CPU; −1 rows: free
+    record_routing: bool = False
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A job's answer: its logprobs and, with ``Job.record_routing``, the routing its forward
+    used for rows 0 … T − 2 (the ones the scored logprobs depend on)."""
+
+    logprobs: Tensor  # [S] float32, CPU
+    routing: Tensor | None = None  # [T − 1, L, k] int32, CPU
 
 
 @dataclass
 class _Group:
-    """Jobs over the same token_ids: one forward serves them all."""
+    """Jobs over the same token_ids (and routing): one forward serves them all."""
 
     token_ids: Tensor  # [T] int64, CPU
     job_indices: list[int]
+    routing: Tensor | None = None  # [T, L, k], as the jobs give it
+    record: bool = False  # some job wants the routing back
+    recorded: Tensor | None = None  # [T − 1, L, k] int32, CPU, once run
 
 
 class Engine:
@@ -118,6 +140,12 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.head_rows = max(1, HEAD_LOGITS_BYTES // (4 * max(1, model.vocab_size)))
         self._warned_weights_device = False
+        # The MoE blocks a routing record describes (None: a dense model, or no replay here).
+        self.moe = (
+            routing.moe_layout(model.module)
+            if model.profile == "invariant" and isinstance(model.backend, TransformersBackend)
+            else None
+        )
 
     @property
     def head_dtype(self) -> torch.dtype:
@@ -125,8 +153,20 @@ class Engine:
 
     def run(self, weights: Mapping[str, Tensor], jobs: Sequence[Job]) -> list[Tensor]:
         """Logprobs for each job: [S] float32 on CPU, in job order. One version per call."""
+        return [scored.logprobs for scored in self.score(weights, jobs)]
+
+    def score(self, weights: Mapping[str, Tensor], jobs: Sequence[Job]) -> list[Scored]:
+        """``run``, with the routing each job that asks for it (``Job.record_routing``) ran
+        under."""
         for job in jobs:
             _check_job(job)
+            if (job.routing is not None or job.record_routing) and self.moe is None:
+                raise InvalidRequest(
+                    f"routing replay and return_routing need a mixture-of-experts model served "
+                    f"under the invariant numerics; this deployment serves "
+                    f"{self.model.architecture} ({self.model.profile!r})",
+                    parameter="routed_experts",
+                )
         if not jobs:
             return []
         with _map_oom(), torch.inference_mode():
@@ -141,7 +181,11 @@ class Engine:
             sizes = [int(job.positions.shape[0]) for job in jobs]
             # One device → host copy per call.
             flat = torch.cat(outs).cpu() if outs else torch.empty(0, dtype=torch.float32)
-            return list(torch.split(flat, sizes))
+            recorded: dict[int, Tensor | None] = {}
+            for g in groups:
+                for i in g.job_indices:
+                    recorded[i] = g.recorded if jobs[i].record_routing else None
+            return [Scored(lp, recorded[i]) for i, lp in enumerate(torch.split(flat, sizes))]
 
     def trace(self, weights: Mapping[str, Tensor], job: Job) -> list[TraceStage]:
         """The digests of every stage of one forward of ``job.token_ids`` alone, in forward
@@ -179,6 +223,8 @@ class Engine:
             ids_dev = ids.to(device, non_blocking=True)
             pos_dev = pos.to(device, non_blocking=True)
             starts = [0, *itertools.accumulate(lengths)][:-1]
+            # The batch's routing: its groups' records packed as the rows are (free: −1).
+            replay = self._packed_routing(batch, starts, sum(lengths), device)
 
             def logits(
                 rows: Tensor, ids_dev: Tensor = ids_dev, pos_dev: Tensor = pos_dev
@@ -194,8 +240,49 @@ class Engine:
                     max_rows=self.head_rows,
                 )
 
-            self._score(jobs, list(zip(batch, starts, strict=True)), ids_dev, logits, outs)
+            placed = list(zip(batch, starts, strict=True))
+            with routing.use(replay) if replay is not None else nullcontext():
+                self._score(jobs, placed, ids_dev, logits, outs)
+                if replay is not None and replay.record and not replay.recorded:
+                    # Nothing scored, so no forward ran: run the decoder for the routing alone.
+                    decoder_hidden(
+                        self.model.module,
+                        ids_dev[None, :],
+                        position_ids=pos_dev[None, :],
+                        weights=weights,
+                    )
+            if replay is not None and replay.record:
+                self._keep_recorded(replay, placed)
         return outs
+
+    def _keep_recorded(self, replay: routing.Routing, placed: list[tuple[_Group, int]]) -> None:
+        """Each recording group's rows 0 … T − 2 of the routing one packed forward used."""
+        assert self.moe is not None
+        used = torch.stack([replay.recorded[j] for j in range(len(self.moe.layers))], dim=1).to(
+            "cpu", torch.int32
+        )  # [N, L, k]
+        for g, start in placed:
+            if g.record:
+                g.recorded = used[start : start + int(g.token_ids.shape[0]) - 1].clone()
+
+    def _packed_routing(
+        self, batch: list[_Group], starts: list[int], total: int, device: torch.device
+    ) -> routing.Routing | None:
+        """The ``Routing`` of one packed forward (None: every row free, nothing recorded)."""
+        forcing = any(g.routing is not None for g in batch)
+        record = any(g.record for g in batch)
+        if not (forcing or record):
+            return None
+        assert self.moe is not None  # score() refused routing for a model without MoE blocks
+        forced = None
+        if forcing:
+            width = (len(self.moe.layers), self.moe.top_k)
+            forced = torch.full((total, *width), -1, dtype=torch.int32)  # [N, L, k]
+            for g, start in zip(batch, starts, strict=True):
+                if g.routing is not None:
+                    forced[start : start + int(g.token_ids.shape[0])] = g.routing
+            forced = forced.to(device, non_blocking=True)
+        return routing.Routing(forced=forced, record=record)
 
     def _score(
         self,
@@ -322,6 +409,12 @@ class Engine:
 
 def _check_job(job: Job) -> None:
     ids, pos = job.token_ids, job.positions
+    if job.routing is not None and (
+        job.routing.dim() != 3 or int(job.routing.shape[0]) != int(ids.shape[0])
+    ):
+        raise ValueError(
+            f"routing must be [T, L, k] with T = {int(ids.shape[0])}, got {list(job.routing.shape)}"
+        )
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise ValueError(f"token_ids must be a 1-D int64 tensor, got {ids.dtype} {list(ids.shape)}")
     if pos.dim() != 1 or pos.dtype != torch.int64 or pos.device.type != "cpu":
@@ -336,13 +429,15 @@ def _check_job(job: Job) -> None:
 
 
 def _group_by_sequence(jobs: Sequence[Job]) -> list[_Group]:
-    groups: dict[bytes, _Group] = {}
+    groups: dict[tuple[bytes, bytes | None], _Group] = {}
     for i, job in enumerate(jobs):
         ids = job.token_ids.cpu()
-        key = ids.numpy().tobytes()
+        replay = None if job.routing is None else job.routing.cpu().to(torch.int32)
+        key = (ids.numpy().tobytes(), None if replay is None else replay.numpy().tobytes())
         if key not in groups:
-            groups[key] = _Group(token_ids=ids, job_indices=[])
+            groups[key] = _Group(token_ids=ids, job_indices=[], routing=replay)
         groups[key].job_indices.append(i)
+        groups[key].record |= job.record_routing
     return list(groups.values())
 
 

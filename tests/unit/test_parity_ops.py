@@ -64,7 +64,9 @@ def test_blockwise_pointwise_gives_an_element_the_same_bits_whatever_the_size(fn
         dtype
     )
     full = blockwise(fn, x)
-    for n in (1, 5, 17, 63, 64, 65, 1000, POINTWISE_BLOCK + 3, x.numel()):
+    # 2 blocks and 2 blocks + 128: one call where torch's threads get whole 64-groups.
+    sizes = (1, 5, 17, 63, 64, 65, 1000, POINTWISE_BLOCK + 3, 2 * POINTWISE_BLOCK + 128)
+    for n in (*sizes, 2 * POINTWISE_BLOCK, x.numel()):
         assert torch.equal(blockwise(fn, x[:n].clone()), full[:n]), n
     assert torch.equal(blockwise(fn, x.view(-1, 1)[7:40]).view(-1), full[7:40])
 
@@ -103,7 +105,7 @@ def test_blockwise_backward_is_blockwise_too_and_one_split_not_a_slice_per_block
         return leaf.grad
 
     full = grad(x.numel())
-    for n in (5, 65, POINTWISE_BLOCK + 3):
+    for n in (5, 65, POINTWISE_BLOCK + 3, 2 * POINTWISE_BLOCK + 128):
         assert torch.equal(grad(n), full[:n]), n
     assert torch.allclose(full, torch.func.vjp(F.silu, x)[1](g)[0], atol=1e-6)
     leaf = x.clone().requires_grad_(True)
@@ -129,3 +131,18 @@ def test_expert_kernels_outside_the_tiles_are_refused(kernel):
         with pytest.raises(UncoveredMatmul, match="outside oldlogit's tiles"):
             token_logprobs(model, ids)
     assert model.config._experts_implementation == original  # restored on exit
+
+
+def test_one_call_pointwise_is_checked_then_used_with_several_threads():
+    """With 2+ threads a large aligned tensor runs in one call (every thread a whole number of
+    64-element groups) once that was checked against the blocks; the bits are the blocks'."""
+    from oldlogit.parity import ops
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: the blocks are one call each anyway")
+    x = torch.randn(8, POINTWISE_BLOCK // 2, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(
+        blockwise(F.silu, x), ops._blocks(F.silu, x.reshape(-1), (), {}).view(x.shape)
+    )
+    used = min(torch.get_num_threads(), -(-x.numel() // ops._GRAIN))
+    assert ops._one_call[(F.silu, torch.float32, used, (), ())] is True

@@ -37,7 +37,11 @@ __all__ = [
 
 # Rows per slice of the float32 processing stage: bounds [rows, V] float32 temporaries (the
 # top-p sort holds several of them). Processing is row-wise, so the slice size is not numerics.
+# At most PROCESS_BYTES of float32 per temporary: small enough for the allocator to reuse freed
+# memory, where larger blocks are mapped fresh (and page-faulted) on every slice — measured on
+# CPU at a 151,936-token vocabulary: 508 rows in 64-row slices 5× slower than in 13-row ones.
 PROCESS_ROWS = 64
+PROCESS_BYTES = 8 * 1024**2
 
 
 def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:
@@ -47,7 +51,8 @@ def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingP
     Steps (each row-independent): float32 → / temperature → top-k (ties at the k-th value kept)
     → top-p (keep a token iff the probability mass strictly before it in the stable descending
     order is < top_p, so the top token is always kept) → log_softmax → gather. A target outside
-    the kept support gets −inf, never NaN. Differentiable; PROCESS_ROWS rows at a time.
+    the kept support gets −inf, never NaN. Differentiable; a few rows at a time (PROCESS_ROWS,
+    PROCESS_BYTES).
     """
     if not sampling.temperature > 0:
         raise ValueError(f"temperature must be > 0, got {sampling.temperature}")
@@ -56,9 +61,10 @@ def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingP
             f"expected logits [S, V] and targets [S], got {list(logits_rows.shape)} and "
             f"{list(targets.shape)}"
         )
+    step = max(1, min(PROCESS_ROWS, PROCESS_BYTES // (4 * max(1, logits_rows.shape[-1]))))
     parts = [
-        _processed_rows(logits_rows[s : s + PROCESS_ROWS], targets[s : s + PROCESS_ROWS], sampling)
-        for s in range(0, targets.shape[0], PROCESS_ROWS)
+        _processed_rows(logits_rows[s : s + step], targets[s : s + step], sampling)
+        for s in range(0, targets.shape[0], step)
     ]
     if not parts:
         return logits_rows.new_empty(0, dtype=torch.float32)

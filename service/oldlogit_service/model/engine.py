@@ -139,6 +139,10 @@ class Engine:
         self.head_chunk_rows = head_chunk_rows
         self.max_batch_tokens = max_batch_tokens
         self.head_rows = max(1, HEAD_LOGITS_BYTES // (4 * max(1, model.vocab_size)))
+        tile = model.tile_rows or 0
+        if tile and self.head_rows > tile:
+            # Whole tiles per head call: only the last call's last tile is padded.
+            self.head_rows -= self.head_rows % tile
         self._warned_weights_device = False
         # The MoE blocks a routing record describes (None: a dense model, or no replay here).
         self.moe = (

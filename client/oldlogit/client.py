@@ -30,6 +30,7 @@ from oldlogit.contract.types import (
     LeaseInfo,
     LogprobsRequest,
     PublishResult,
+    RoutedExperts,
     Sampling,
     Sequence,
     SequenceResult,
@@ -148,18 +149,28 @@ class AsyncClient:
         allow_inexact: bool = False,
         use_cache: bool = True,
         timeout_s: float | None = None,
+        routed_experts: RoutedExperts | Any = None,
+        return_routing: bool = False,
     ) -> SequenceResult:
         """Logprobs of one sequence: ``policy_version`` (+ ``score_from``) or ``versions``.
 
         ``token_ids``: a list, numpy array or torch tensor. The result's ``logprobs`` has
         ``len(token_ids)`` float32 values, NaN where not scored (always position 0).
+        MoE models: ``routed_experts`` replays a routing record (a ``RoutedExperts``, or its
+        ids [n − 1, MoE layers, top_k] from position 0; ``oldlogit.contract.routing.from_vllm``
+        / ``from_sglang`` map the engines' layouts), and ``return_routing`` returns the routing
+        each version's forward used (``SequenceResult.routed_experts``); docs/exactness.md.
         """
         try:
+            record = routed_experts
+            if record is not None and not isinstance(record, RoutedExperts):
+                record = RoutedExperts(ids=record)
             seq = Sequence(
                 token_ids=token_ids,
                 policy_version=policy_version,
                 score_from=score_from,
                 versions=versions,
+                routed_experts=record,
             )
         except ValidationError as exc:
             raise _invalid(exc) from exc
@@ -172,6 +183,7 @@ class AsyncClient:
             allow_inexact=allow_inexact,
             use_cache=use_cache,
             timeout_s=timeout_s,
+            return_routing=return_routing,
         )
         return results[0]
 
@@ -186,11 +198,14 @@ class AsyncClient:
         allow_inexact: bool = False,
         use_cache: bool = True,
         timeout_s: float | None = None,
+        return_routing: bool = False,
     ) -> list[SequenceResult]:
         """Logprobs of many sequences in one request; results in the same order.
 
         The sampling arguments apply to every sequence without its own ``Sequence.sampling``.
         ``timeout_s`` overrides the client's for this call (None: the client's).
+        ``return_routing`` (MoE models): each result's ``routed_experts`` holds the routing of
+        each of its versions' forwards.
         """
         try:
             req = LogprobsRequest(
@@ -199,6 +214,7 @@ class AsyncClient:
                 proxy=proxy,
                 allow_inexact=allow_inexact,
                 use_cache=use_cache,
+                return_routing=return_routing,
             )
         except ValidationError as exc:
             raise _invalid(exc) from exc
@@ -227,6 +243,7 @@ class AsyncClient:
         use_cache: bool = True,
         timeout_s: float | None = None,
         sequences_per_request: int = 256,
+        routed_experts: Any = None,
     ) -> PaddedLogprobs:
         """Logprobs of a padded ``[B, T]`` batch, aligned with it (TRL's and verl's layout).
 
@@ -237,7 +254,9 @@ class AsyncClient:
         [B, T] float32 and its mask, 0 where unscored (padding, prompts, a sequence's first
         token), so masked losses stay finite; torch tensors (on the input's device) when
         ``input_ids`` is one, else numpy. Requests of ``sequences_per_request`` sequences run
-        concurrently.
+        concurrently. ``routed_experts`` (MoE models): [B, T, MoE layers, top_k] expert ids
+        aligned with ``input_ids`` (row t: the routing of the forward that processed token t;
+        padding rows and each sequence's last row are not sent), replayed by the service.
         """
         from oldlogit.integrations.padded import padded_requests, place_results
 
@@ -248,6 +267,7 @@ class AsyncClient:
             score_from=score_from,
             policy_version=policy_version,
             versions=versions,
+            routed_experts=routed_experts,
         )
         if sequences_per_request < 1:
             raise InvalidRequest(

@@ -1,6 +1,7 @@
 """The in-process result cache: scored logprobs keyed by everything that determines them.
 
-In: a key from ``make_key`` (weight hash, numerics, sampling, tokens, scored positions) and
+In: a key from ``make_key`` (weight hash, numerics, sampling, tokens, scored positions, a MoE
+routing record) and
 the float32 array the engine produced. Out: the same array on a later identical request.
 Bounded by bytes (LRU); never computes anything and never sees a version number, only the
 weight hash, so a cache hit across a weight change is impossible by construction.
@@ -44,13 +45,16 @@ def make_key(
     sampling: tuple[float, int, float],
     token_ids: npt.ArrayLike,
     positions: npt.ArrayLike,
+    routing: npt.ArrayLike | None = None,
 ) -> bytes:
     """A 32-byte sha256 digest identifying one scoring job.
 
     ``numerics`` is the deployment's description (e.g. ``"bfloat16/sdpa/head=fp32/
     deterministic"``); ``sampling`` is ``(temperature, top_k, top_p)``, floats compared bit
     for bit. Integer arrays are framed as little-endian int64 whatever their dtype, so equal
-    values give equal keys.
+    values give equal keys. ``routing``: a MoE routing record on the sequence's positions
+    ([n, L, k], −1 rows free; None: free routing, the key of a job without one), framed with
+    its shape.
     """
     temperature, top_k, top_p = sampling
     h = hashlib.sha256(_KEY_FORMAT)
@@ -59,6 +63,9 @@ def make_key(
     _field(h, b"S", struct.pack("<dqd", float(temperature), int(top_k), float(top_p)))
     _field(h, b"T", _int_array(token_ids))
     _field(h, b"P", _int_array(positions))
+    if routing is not None:
+        arr = np.asarray(routing)
+        _field(h, b"R", _int_array(arr.shape) + _int_array(arr))
     return h.digest()
 
 
@@ -90,6 +97,7 @@ class ResultCacheBackend(Protocol):
         sampling: tuple[float, int, float],
         token_ids: npt.ArrayLike,
         positions: npt.ArrayLike,
+        routing: npt.ArrayLike | None = None,
     ) -> bytes: ...
 
     def get_many(self, keys: list[bytes]) -> list[npt.NDArray[np.float32] | None]: ...
@@ -128,6 +136,7 @@ class ResultCache:
         sampling: tuple[float, int, float],
         token_ids: npt.ArrayLike,
         positions: npt.ArrayLike,
+        routing: npt.ArrayLike | None = None,
     ) -> bytes:
         return make_key(
             weight_sha256=weight_sha256,
@@ -135,6 +144,7 @@ class ResultCache:
             sampling=sampling,
             token_ids=token_ids,
             positions=positions,
+            routing=routing,
         )
 
     @property

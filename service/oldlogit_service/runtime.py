@@ -5,7 +5,8 @@ boundary of a request: every method that may block is async and runs its blockin
 Redis) in a thread, so the transports are one-line translators and the event loop never waits.
 Flow of a logprobs call: validate/plan → make the versions servable here (``Control.prepare``)
 → each version's weights by reference and their hash (the store's; a proxy's only when the
-request asks for one or allows it) → result cache → scheduler (version-aware batches) → stitch
+request asks for one or allows it) → result cache (keys hold a sequence's MoE routing record;
+an answer that returns its routing is computed) → scheduler (version-aware batches) → stitch
 per sequence. Versions, leases and the watermark are the deployment's (``Control``, one
 interface whether local or through Redis), and ``info`` reads them from there too.
 
@@ -33,6 +34,7 @@ from oldlogit.contract.types import (
     LeaseInfo,
     LogprobsRequest,
     LogprobsResponse,
+    RoutedExperts,
     SequenceResult,
     Trace,
     TraceRequest,
@@ -50,7 +52,7 @@ from oldlogit_service.metrics import Metrics, ServiceState
 from oldlogit_service.model.engine import Job, SamplingParams
 from oldlogit_service.model.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.model.loaded import LoadedModel, weight_layout_info
-from oldlogit_service.scheduler import Scheduler, WeightsRef
+from oldlogit_service.scheduler import Result, Routed, Scheduler, WeightsRef
 from oldlogit_service.snapshots import SnapshotStore, check_version
 from oldlogit_service.validate import Limits, SequencePlan, check_trace, plan_request
 
@@ -77,7 +79,8 @@ class _Pending:
     positions: npt.NDArray[np.int64]
     key: bytes | None
     value: npt.NDArray[np.float32] | None = None
-    future: Future[npt.NDArray[np.float32]] | None = None
+    future: Future[Result] | None = None
+    routing: npt.NDArray[np.int32] | None = None  # what the forward used (return_routing)
 
 
 class Runtime:
@@ -198,9 +201,11 @@ class Runtime:
                         sampling=(float(sp.temperature), int(sp.top_k), float(sp.top_p)),
                         token_ids=plan.token_ids,
                         positions=pos,
+                        routing=plan.routing,
                     )
                 pending.append(_Pending(plan, v, weights[v], pos, key))
-        keyed = [p for p in pending if p.key is not None]
+        # An answer with its routing is computed: the cache holds logprobs only.
+        keyed = [p for p in pending if p.key is not None and not req.return_routing]
         if keyed:
             found = await self._cache(self.cache.get_many, [p.key for p in keyed])
             for p, value in zip(keyed, found, strict=True):
@@ -216,6 +221,10 @@ class Runtime:
                             top_k=int(p.plan.sampling.top_k),
                             top_p=float(p.plan.sampling.top_p),
                         ),
+                        routing=None
+                        if p.plan.routing is None
+                        else torch.from_numpy(p.plan.routing),
+                        record_routing=req.return_routing,
                     )
                     p.future = self.scheduler.submit(p.weights, job, deadline=deadline)
             waits = [asyncio.wrap_future(p.future) for p in pending if p.future is not None]
@@ -232,7 +241,11 @@ class Runtime:
                 fresh: list[tuple[bytes, npt.NDArray[np.float32]]] = []
                 for p in pending:
                     if p.future is not None:
-                        p.value = next(it)
+                        got = next(it)
+                        if isinstance(got, Routed):
+                            p.value, p.routing = got.logprobs, got.routing
+                        else:
+                            p.value = got
                         if p.key is not None:
                             fresh.append((p.key, p.value))
                 if fresh:
@@ -241,7 +254,9 @@ class Runtime:
             for p in pending:  # cancelled or failed requests leave nothing queued behind
                 if p.future is not None and not p.future.done():
                     p.future.cancel()
-        return LogprobsResponse(results=self._stitch(plans, pending, hashes))
+        return LogprobsResponse(
+            results=self._stitch(plans, pending, hashes, routing=req.return_routing)
+        )
 
     def _weights(
         self, wanted: set[int], req: LogprobsRequest
@@ -269,7 +284,12 @@ class Runtime:
         return refs, hashes
 
     def _stitch(
-        self, plans: list[SequencePlan], pending: list[_Pending], hashes: Mapping[int, str]
+        self,
+        plans: list[SequencePlan],
+        pending: list[_Pending],
+        hashes: Mapping[int, str],
+        *,
+        routing: bool = False,
     ) -> list[SequenceResult]:
         by_plan: dict[int, list[_Pending]] = {}
         for p in pending:
@@ -288,6 +308,10 @@ class Runtime:
                     computed_n += len(p.positions)
             versions = sorted(plan.jobs)
             proxied = any(not p.weights.loads for p in parts)
+            records = None
+            if routing:  # one record per version's forward, rows 0 … n − 2
+                used = {p.version: p.routing for p in parts}
+                records = [RoutedExperts(ids=used[v], start=0) for v in versions]
             out.append(
                 SequenceResult(
                     logprobs=lp,
@@ -297,6 +321,7 @@ class Runtime:
                     # the version's weights.
                     exact=self.mode != "fast" and not proxied,
                     cached=bool(parts) and all(p.future is None for p in parts),
+                    routed_experts=records,
                 )
             )
         if cached_n:
@@ -428,6 +453,7 @@ class Runtime:
             buffer_convention=BUFFER_CONVENTION,
             transformers_version=spec.transformers_version,
             **weight_layout_info(m.layout),
+            moe=self.limits.moe,
         )
 
     async def metrics_text(self) -> bytes:

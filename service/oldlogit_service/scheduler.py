@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -49,7 +49,16 @@ if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's 
 
 logger = logging.getLogger(__name__)
 
-Result = npt.NDArray[np.float32]  # a scoring job's logprobs
+
+class Routed(NamedTuple):
+    """A scoring job's logprobs and the MoE routing its forward used (``Job.record_routing``:
+    [T − 1, L, k] int32)."""
+
+    logprobs: npt.NDArray[np.float32]
+    routing: npt.NDArray[np.int32]
+
+
+Result = npt.NDArray[np.float32] | Routed  # a scoring job's logprobs (and routing, if asked)
 Stages = list["TraceStage"]  # a trace job's stages, in forward order
 R = TypeVar("R")
 T = TypeVar("T")
@@ -272,6 +281,18 @@ class _NullObserver:
 
     def on_load(self, seconds: float, waiting: int) -> None:
         pass
+
+
+def _score(engine: Engine, weights: Mapping[str, torch.Tensor], jobs: list[Job]) -> list[Result]:
+    """One batch's answers: logprobs, with the routing for the jobs that record it."""
+    if not any(job.record_routing for job in jobs):
+        return [out.numpy() for out in engine.run(weights, jobs)]
+    return [
+        Routed(s.logprobs.numpy(), s.routing.numpy())
+        if job.record_routing and s.routing is not None
+        else s.logprobs.numpy()
+        for job, s in zip(jobs, engine.score(weights, jobs), strict=True)
+    ]
 
 
 def map_exception(exc: BaseException) -> OldLogitError:
@@ -590,13 +611,13 @@ class Scheduler:
         scoring = [it for it in live if not _is_trace(it)]
         traces = [it for it in live if _is_trace(it)]
         start = time.perf_counter()
-        outs: list[torch.Tensor] | OldLogitError = []
+        outs: list[Result] | OldLogitError = []
         stages: list[Stages | OldLogitError] = []
         try:
             with self._tensors(ref, len(live)) as weights:
                 if scoring:
                     jobs = [it.job for it in scoring]
-                    outs = _attempt(lambda: self._engine.run(weights, jobs))
+                    outs = _attempt(lambda: _score(self._engine, weights, jobs))
                 # Each trace alone, beside the batch: its stages are of the sequence's own forward.
                 stages = [
                     _attempt(functools.partial(self._engine.trace, weights, it.job))
@@ -614,7 +635,7 @@ class Scheduler:
                 it.future.set_exception(outs)
         else:
             for it, out in zip(scoring, outs, strict=True):
-                it.future.set_result(out.numpy())
+                it.future.set_result(out)
         for trace_item, got in zip(traces, stages, strict=True):
             if isinstance(got, OldLogitError):
                 trace_item.future.set_exception(got)

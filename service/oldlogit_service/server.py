@@ -194,6 +194,8 @@ def build_service(settings: Settings) -> Service:
         max_seq_len=min(settings.max_seq_len or model.max_positions, model.max_positions),
         max_tokens_per_request=settings.max_tokens_per_request,
         max_sequences_per_request=settings.max_sequences_per_request,
+        moe=model.moe_info(),
+        replay=model.profile == "invariant",
     )
     runtime = Runtime(
         settings,

@@ -1,10 +1,11 @@
 """Validate a logprobs request and plan it into one job per (sequence, version); validate a trace.
 
 In: a ``LogprobsRequest`` (contract type) and the deployment's ``Limits``. Out: a list of
-``SequencePlan`` whose ``jobs`` map each distinct version to the positions it scores. A
-``TraceRequest`` is checked by the same rules (``check_trace``). Every refusal is an error from
-``oldlogit.contract.errors`` naming the offending parameter by its path in the request
-(``sequences[3].token_ids``). This stage never touches weights or tensors.
+``SequencePlan`` whose ``jobs`` map each distinct version to the positions it scores (and,
+for a MoE model, the sequence's routing record checked against the model and placed on its
+positions). A ``TraceRequest`` is checked by the same rules (``check_trace``). Every refusal is
+an error from ``oldlogit.contract.errors`` naming the offending parameter by its path in the
+request (``sequences[3].token_ids``). This stage never touches weights or tensors.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from oldlogit.contract.errors import (
     SequenceTooLong,
     TokenOutOfVocab,
 )
+from oldlogit.contract.routing import check_routing, routing_rows
 from oldlogit.contract.types import (
     MAX_VERSION,
     NOT_SCORED,
     LogprobsRequest,
+    MoeInfo,
     Sampling,
     Sequence,
     TraceRequest,
@@ -39,6 +42,8 @@ class Limits:
     max_seq_len: int
     max_tokens_per_request: int
     max_sequences_per_request: int
+    moe: MoeInfo | None = None  # the model's MoE routing (None: a dense model)
+    replay: bool = True  # the numerics replay and record routing (the invariant profile)
 
 
 @dataclass
@@ -48,6 +53,9 @@ class SequencePlan:
     sampling: Sampling
     # version -> sorted scored positions (each in [1, n)); one whole-sequence forward each.
     jobs: dict[int, npt.NDArray[np.int64]] = field(default_factory=dict)
+    # The routing record on the sequence's positions: [n, L, k] int32, −1 rows route freely
+    # (always the last); None when no row is recorded (free routing).
+    routing: npt.NDArray[np.int32] | None = None
 
 
 def check_sampling(sampling: Sampling, where: str) -> None:
@@ -156,6 +164,43 @@ def _per_token_versions(seq: Sequence, where: str) -> npt.NDArray[np.int64]:
     return seq.per_token_versions()
 
 
+def _routing_refusal(limits: Limits, parameter: str) -> None:
+    """Routing replay and return_routing need a MoE model under the invariant numerics."""
+    if limits.moe is None:
+        raise InvalidRequest(
+            f"{parameter}: this deployment serves a dense model: there is no routing to replay "
+            "or return",
+            parameter=parameter,
+        )
+    if not limits.replay:
+        raise InvalidRequest(
+            f"{parameter}: routing replay and return_routing need the invariant numerics "
+            "(--numerics invariant); this deployment runs the plain transformers forward",
+            parameter=parameter,
+        )
+
+
+def plan_routing(seq: Sequence, n: int, limits: Limits, where: str) -> npt.NDArray[np.int32] | None:
+    """A sequence's routing record checked against the model and placed on its positions
+    (``oldlogit.contract.routing``); None when it records no row."""
+    record = seq.routed_experts
+    if record is None:
+        return None
+    parameter = f"{where}.routed_experts"
+    _routing_refusal(limits, parameter)
+    assert limits.moe is not None
+    recorded = check_routing(
+        record.ids,
+        layers=len(limits.moe.layers),
+        top_k=limits.moe.top_k,
+        num_experts=limits.moe.num_experts,
+        parameter=parameter,
+        start=record.start,
+    )
+    rows = routing_rows(record, n, parameter)  # [n, L, k]
+    return rows if bool(recorded.any()) and bool((rows[:, 0, 0] >= 0).any()) else None
+
+
 def plan_request(req: LogprobsRequest, limits: Limits) -> list[SequencePlan]:
     """Check every field and split each sequence into per-version jobs."""
     if req.timeout_s is not None and not (math.isfinite(req.timeout_s) and req.timeout_s > 0):
@@ -163,6 +208,8 @@ def plan_request(req: LogprobsRequest, limits: Limits) -> list[SequencePlan]:
             f"timeout_s must be a number > 0, got {req.timeout_s!r}", parameter="timeout_s"
         )
     check_sampling(req.sampling, "sampling")
+    if req.return_routing:
+        _routing_refusal(limits, "return_routing")
     if not req.sequences:
         raise InvalidRequest("sequences must hold at least one sequence", parameter="sequences")
     if len(req.sequences) > limits.max_sequences_per_request:
@@ -199,7 +246,9 @@ def plan_request(req: LogprobsRequest, limits: Limits) -> list[SequencePlan]:
             check_sampling(seq.sampling, f"{where}.sampling")
             sampling = seq.sampling
         versions = _per_token_versions(seq, where)
-        plan = SequencePlan(index=i, token_ids=ids, sampling=sampling)
+        plan = SequencePlan(
+            index=i, token_ids=ids, sampling=sampling, routing=plan_routing(seq, n, limits, where)
+        )
         scored = np.flatnonzero(versions >= 0)
         if scored.size:
             vs = versions[scored]

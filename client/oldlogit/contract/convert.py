@@ -35,12 +35,14 @@ from oldlogit.contract.errors import (
     VersionEvicted,
     error_from_payload,
 )
+from oldlogit.contract.routing import wire_dtype
 from oldlogit.contract.types import (
     Info,
     LeaseInfo,
     LogprobsRequest,
     LogprobsResponse,
     PublishResult,
+    RoutedExperts,
     Sampling,
     SessionInfo,
     Trace,
@@ -66,6 +68,8 @@ __all__ = [
     "request_to_proto",
     "response_from_proto",
     "response_to_proto",
+    "routing_from_proto",
+    "routing_to_proto",
     "to_proto",
     "trace_request_from_proto",
     "trace_request_to_proto",
@@ -283,8 +287,38 @@ class PublishHeader:
 # ---------------------------------------------------------------- logprobs
 
 
+def routing_to_proto(record: RoutedExperts, msg: pb.RoutedExperts) -> None:
+    """Fill ``msg`` with a routing record (ids as int16 whenever every id fits)."""
+    dtype = wire_dtype(record.ids)
+    rows, layers, top_k = (int(x) for x in record.ids.shape)
+    msg.start = record.start
+    msg.rows, msg.layers, msg.top_k = rows, layers, top_k
+    msg.width = dtype.itemsize
+    msg.ids = np.ascontiguousarray(record.ids, dtype=dtype).tobytes()
+
+
+def routing_from_proto(msg: pb.RoutedExperts, parameter: str, error: type[OldLogitError]) -> Any:
+    """A received record's fields: ids [rows, layers, top_k] from their bytes."""
+    widths: dict[int, np.dtype[Any]] = {2: np.dtype("<i2"), 4: np.dtype("<i4")}
+    dtype = widths.get(msg.width)
+    shape = (msg.rows, msg.layers, msg.top_k)
+    if (
+        dtype is None
+        or min(shape) < 0
+        or msg.rows * msg.layers * msg.top_k * dtype.itemsize != len(msg.ids)
+    ):
+        raise error(
+            f"{parameter}: {len(msg.ids)} bytes of ids do not hold {list(shape)} ids of width "
+            f"{msg.width} (2 or 4)",
+            parameter=parameter,
+        )
+    return {"ids": np.frombuffer(msg.ids, dtype=dtype).reshape(shape), "start": msg.start}
+
+
 def request_to_proto(req: LogprobsRequest) -> pb.LogprobsRequest:
-    msg = pb.LogprobsRequest(allow_inexact=req.allow_inexact, use_cache=req.use_cache)
+    msg = pb.LogprobsRequest(
+        allow_inexact=req.allow_inexact, use_cache=req.use_cache, return_routing=req.return_routing
+    )
     msg.sampling.CopyFrom(_sampling_to_proto(req.sampling))
     if req.proxy is not None:
         msg.proxy = req.proxy
@@ -304,6 +338,8 @@ def request_to_proto(req: LogprobsRequest) -> pb.LogprobsRequest:
             s.versions.extend(seq.versions.tolist())
         if seq.sampling is not None:
             s.sampling.CopyFrom(_sampling_to_proto(seq.sampling))
+        if seq.routed_experts is not None:
+            routing_to_proto(seq.routed_experts, s.routed_experts)
     return msg
 
 
@@ -319,8 +355,16 @@ def request_from_proto(msg: pb.LogprobsRequest) -> LogprobsRequest:
             d["versions"] = np.array(s.versions, dtype=np.int64)
         if s.HasField("sampling"):
             d["sampling"] = _fields(s.sampling, Sampling)
+        if s.HasField("routed_experts"):
+            d["routed_experts"] = routing_from_proto(
+                s.routed_experts, f"sequences[{len(sequences)}].routed_experts", InvalidRequest
+            )
         sequences.append(d)
-    obj: dict[str, Any] = {"sequences": sequences, "allow_inexact": msg.allow_inexact}
+    obj: dict[str, Any] = {
+        "sequences": sequences,
+        "allow_inexact": msg.allow_inexact,
+        "return_routing": msg.return_routing,
+    }
     if msg.HasField("sampling"):
         obj["sampling"] = _fields(msg.sampling, Sampling)
     for name in ("proxy", "use_cache", "timeout_s"):
@@ -342,6 +386,8 @@ def response_to_proto(resp: LogprobsResponse, req: LogprobsRequest) -> pb.Logpro
         r.versions.extend(res.versions)
         for version, sha in sorted(res.weight_sha256.items()):
             r.weight_sha256.add(policy_version=version, sha256=sha)
+        for record in res.routed_experts or ():
+            routing_to_proto(record, r.routed_experts.add())
     return msg
 
 
@@ -351,16 +397,21 @@ def response_from_proto(msg: pb.LogprobsResponse, req: LogprobsRequest) -> Logpr
         raise InternalError(
             f"{len(msg.results)} results for {len(req.sequences)} sequences", parameter="results"
         )
-    results = [
-        {
+    results = []
+    for i, (r, seq) in enumerate(zip(msg.results, req.sequences, strict=True)):
+        result: dict[str, Any] = {
             "logprobs": expand_logprobs(np.array(r.logprobs, dtype=np.float32), seq, i),
             "versions": list(r.versions),
             "weight_sha256": {h.policy_version: h.sha256 for h in r.weight_sha256},
             "exact": r.exact,
             "cached": r.cached,
         }
-        for i, (r, seq) in enumerate(zip(msg.results, req.sequences, strict=True))
-    ]
+        if req.return_routing:
+            result["routed_experts"] = [
+                routing_from_proto(rec, f"results[{i}].routed_experts[{j}]", InternalError)
+                for j, rec in enumerate(r.routed_experts)
+            ]
+        results.append(result)
     return parse_model(LogprobsResponse, {"results": results})
 
 

@@ -27,6 +27,12 @@ little-endian values: ``token_ids`` int32 (``<i4``), ``versions`` int64 (``<i8``
 ``logprobs`` float32 (``<f4``, −inf and NaN as IEEE values). Decoders also accept plain msgpack
 arrays of numbers. ``weight_sha256`` keys are decimal strings in both encodings.
 
+MoE routing records (a sequence's ``routed_experts``; with ``"return_routing": true`` each
+result's ``routed_experts``, one per entry of ``versions``) are ``{"ids": [[[e, …], …], …],
+"start": s}`` in JSON — ids nested [rows][MoE layers][top_k] — and ``{"ids": bin, "dtype":
+"<i2" | "<i4", "shape": [rows, layers, top_k], "start": s}`` in msgpack (int16 whenever every
+id fits, ``oldlogit.contract.routing.wire_dtype``).
+
 The receiver puts the compact values back in place: ``SequenceResult.logprobs`` has the full
 sequence length, NaN where not scored. Errors are ``{"error": {"code", "message", "parameter"?,
 "details"?}}`` with the error's HTTP status and, for 503, a ``Retry-After`` header (seconds).
@@ -61,7 +67,14 @@ from oldlogit.contract.errors import (
     VersionEvicted,
     error_from_payload,
 )
-from oldlogit.contract.types import LogprobsRequest, LogprobsResponse, Sequence, SequenceResult
+from oldlogit.contract.routing import wire_dtype
+from oldlogit.contract.types import (
+    LogprobsRequest,
+    LogprobsResponse,
+    RoutedExperts,
+    Sequence,
+    SequenceResult,
+)
 
 __all__ = [
     "JSON_TYPE",
@@ -70,9 +83,11 @@ __all__ = [
     "decode_error",
     "decode_request",
     "decode_response",
+    "decode_routing",
     "encode_error",
     "encode_request",
     "encode_response",
+    "encode_routing",
     "expand_logprobs",
     "media_type",
     "negotiate",
@@ -262,6 +277,50 @@ def _encoder(kind: str) -> ArrayEncoder:
     return _msgpack_array if kind == MSGPACK_TYPE else _json_array
 
 
+# ---------------------------------------------------------------- routing records
+
+_ROUTING_DTYPES: dict[str, np.dtype[Any]] = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4")}
+
+
+def encode_routing(record: RoutedExperts, kind: str) -> dict[str, Any]:
+    """A routing record as it travels in ``kind`` (see the module docstring)."""
+    if kind != MSGPACK_TYPE:
+        return {"ids": record.ids.tolist(), "start": record.start}
+    dtype = wire_dtype(record.ids)
+    return {
+        "ids": np.ascontiguousarray(record.ids, dtype=dtype).tobytes(),
+        "dtype": dtype.str,
+        "shape": [int(x) for x in record.ids.shape],
+        "start": record.start,
+    }
+
+
+def decode_routing(value: Any, parameter: str, error: type[OldLogitError]) -> Any:
+    """A received routing record's fields (binary ids reshaped); other shapes of value pass
+    through to the type's validators, which name what is wrong."""
+    if not isinstance(value, dict) or not isinstance(value.get("ids"), (bytes, bytearray)):
+        return value
+    out = dict(value)
+    raw = out.pop("ids")
+    dtype = _ROUTING_DTYPES.get(str(out.pop("dtype", "")))
+    shape = out.pop("shape", None)
+    if dtype is None:
+        raise error(f"{parameter}.dtype must be '<i2' or '<i4'", parameter=parameter)
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 3
+        or not all(isinstance(x, int) and x >= 0 for x in shape)
+        or shape[0] * shape[1] * shape[2] * dtype.itemsize != len(raw)
+    ):
+        raise error(
+            f"{parameter}.shape must be [rows, layers, top_k] matching its {len(raw)} bytes of "
+            f"{dtype.str} ids, got {shape!r}",
+            parameter=parameter,
+        )
+    out["ids"] = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return out
+
+
 # ---------------------------------------------------------------- POST /v1/logprobs
 
 
@@ -269,15 +328,19 @@ def encode_request(req: LogprobsRequest, content_type: str | None = JSON_TYPE) -
     """Serialise a request body in the encoding named by ``content_type``."""
     kind = media_type(content_type)
     arr = _encoder(kind)
-    obj = req.model_dump(exclude={"sequences"}, exclude_none=True)
+    # return_routing only when asked: a server without routing replay knows no such field.
+    skip = {"sequences"} if req.return_routing else {"sequences", "return_routing"}
+    obj = req.model_dump(exclude=skip, exclude_none=True)
     seqs = []
     for i, seq in enumerate(req.sequences):
-        d = seq.model_dump(exclude={"token_ids", "versions"}, exclude_none=True)
+        d = seq.model_dump(exclude={"token_ids", "versions", "routed_experts"}, exclude_none=True)
         d["token_ids"] = arr(
             token_ids_int32(seq, i) if kind == MSGPACK_TYPE else seq.token_ids, _I32
         )
         if seq.versions is not None:
             d["versions"] = arr(seq.versions, _I64)
+        if seq.routed_experts is not None:
+            d["routed_experts"] = encode_routing(seq.routed_experts, kind)
         seqs.append(d)
     obj["sequences"] = seqs
     return _dump(obj, kind)
@@ -297,6 +360,10 @@ def decode_request(body: bytes, content_type: str | None = JSON_TYPE) -> Logprob
                     seq[name] = _from_bin(
                         seq[name], dtype, f"sequences[{i}].{name}", InvalidRequest
                     )
+            if "routed_experts" in seq:
+                seq["routed_experts"] = decode_routing(
+                    seq["routed_experts"], f"sequences[{i}].routed_experts", InvalidRequest
+                )
     return parse_model(LogprobsRequest, obj, error=InvalidRequest)
 
 
@@ -312,8 +379,10 @@ def encode_response(
         )
     results = []
     for i, (res, seq) in enumerate(zip(resp.results, req.sequences, strict=True)):
-        d = res.model_dump(mode="json", exclude={"logprobs"})
+        d = res.model_dump(mode="json", exclude={"logprobs", "routed_experts"})
         d["logprobs"] = arr(compact_logprobs(res, seq, i), _F32)
+        if res.routed_experts is not None:
+            d["routed_experts"] = [encode_routing(r, kind) for r in res.routed_experts]
         results.append(d)
     return _dump({"results": results}, kind)
 
@@ -332,6 +401,12 @@ def decode_response(
             raise InternalError("result without logprobs", parameter=f"results[{i}].logprobs")
         values = _from_bin(res["logprobs"], _F32, f"results[{i}].logprobs", InternalError)
         res["logprobs"] = expand_logprobs(values, seq, i)
+        records = res.get("routed_experts")
+        if isinstance(records, list):
+            res["routed_experts"] = [
+                decode_routing(r, f"results[{i}].routed_experts[{j}]", InternalError)
+                for j, r in enumerate(records)
+            ]
     return parse_model(LogprobsResponse, obj, error=InternalError)
 
 

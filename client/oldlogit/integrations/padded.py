@@ -6,9 +6,10 @@ real tokens, left- or right-padded), which tokens to score (``response_mask`` [B
 ``versions``: one per row [B] or per token [B, T], −1 = not scored). Out: ``PaddedLogprobs``
 — ``logprobs`` [B, T] float32 aligned with the input and ``mask`` [B, T], 1 where a value was
 returned; 0 in both elsewhere (padding, prompts, a sequence's first token), so masked losses
-stay finite. Torch tensors in → torch tensors out (on the input's device); else numpy. Builds
-``Sequence`` requests and puts the answers back in place; torch is never imported for numpy
-input.
+stay finite. MoE models: ``routed_experts`` [B, T, L, k] aligned with the input travels as
+each sequence's routing record. Torch tensors in → torch tensors out (on the input's device);
+else numpy. Builds ``Sequence`` requests and puts the answers back in place; torch is never
+imported for numpy input.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from oldlogit.contract.errors import InvalidRequest
-from oldlogit.contract.types import NOT_SCORED, Sequence
+from oldlogit.contract.types import NOT_SCORED, RoutedExperts, Sequence
 
 __all__ = ["PaddedLogprobs", "padded_requests", "place_results"]
 
@@ -55,10 +56,12 @@ def padded_requests(
     score_from: int | Seq[int] | Any = None,
     policy_version: int | None = None,
     versions: Any = None,
+    routed_experts: Any = None,
 ) -> tuple[list[Sequence], list[tuple[int, int]], tuple[int, int]]:
     """The requests for a padded batch: (sequences, (row, first column) of each, (B, T)).
 
-    Rows with nothing to score get no request. Errors name the parameter.
+    Rows with nothing to score get no request. Errors name the parameter. ``routed_experts``
+    (MoE): [B, T, L, k] aligned with ``input_ids``; each sequence sends its rows but the last.
     """
     ids = _array(input_ids, "input_ids")
     if ids.ndim != 2:
@@ -92,6 +95,15 @@ def padded_requests(
                 parameter="score_from",
             )
         scored = np.arange(length)[None, :] >= np.broadcast_to(starts, (batch,))[:, None]
+    routing = None
+    if routed_experts is not None:
+        routing = _array(routed_experts, "routed_experts")
+        if routing.ndim != 4 or routing.shape[:2] != (batch, length):
+            raise InvalidRequest(
+                f"routed_experts must be [batch, seq, MoE layers, top_k] with [batch, seq] = "
+                f"{[batch, length]}, got {list(routing.shape)}",
+                parameter="routed_experts",
+            )
     per_token = _versions(policy_version, versions, batch, length)
     per_token = np.where(scored & (mask != 0), per_token, NOT_SCORED)
     sequences: list[Sequence] = []
@@ -111,7 +123,12 @@ def padded_requests(
         row_versions[0] = NOT_SCORED  # a sequence's first token has no prefix
         if not bool((row_versions >= 0).any()):
             continue
-        sequences.append(Sequence(token_ids=ids[b, first:last], versions=row_versions))
+        record = None
+        if routing is not None:  # rows of the sequence's tokens but the last (no logprob needs it)
+            record = RoutedExperts(ids=routing[b, first : last - 1], start=0)
+        sequences.append(
+            Sequence(token_ids=ids[b, first:last], versions=row_versions, routed_experts=record)
+        )
         placed.append((b, first))
     return sequences, placed, (batch, length)
 

@@ -9,6 +9,10 @@ right-padded), ``attention_mask`` [bs, T], ``responses`` [bs, R] (the last R col
 ``policy_version`` for the whole batch, or ``versions`` per sample [bs] or per response token
 [bs, R] (a partial rollout that spans versions). Out: ``{"old_log_probs": [bs, R],
 "old_log_probs_mask": [bs, R]}``, float32 and 0 where unscored, torch when the batch is.
+MoE routing replay (verl's ``router_replay`` R3): a ``routed_experts`` batch key [bs, T, L, K]
+aligned with ``input_ids`` (L: every decoder layer, as vLLM records it, or the MoE layers
+only) is replayed by the service: the MoE layers' columns are kept (``Client.info().moe``), and
+padding rows and each sequence's last row (zeros in verl) are not sent.
 verl itself is never imported.
 
 ``patch_verl_engine(engine, client, version=N)``: verl's FSDP actor (``FSDPEngineWithLMHead``, or a
@@ -119,6 +123,9 @@ def compute_old_log_prob(
                 f"got {list(v.shape)}",
                 parameter="versions",
             )
+    routed = _get(batch, "routed_experts", required=False)
+    if routed is not None:
+        routed = _moe_columns(client, _np(routed), (bs, total))
     out = client.logprobs_padded(
         input_ids,
         attention_mask,
@@ -128,11 +135,38 @@ def compute_old_log_prob(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        routed_experts=routed,
     )
     return {
         "old_log_probs": out.logprobs[:, total - width :],
         "old_log_probs_mask": out.mask[:, total - width :],
     }
+
+
+def _moe_columns(client: Any, routed: np.ndarray[Any, Any], shape: tuple[int, int]) -> Any:
+    """verl's ``routed_experts`` [bs, T, L, K] with the MoE layers' columns only (L may be
+    every decoder layer, as vLLM records it)."""
+    if routed.ndim != 4 or routed.shape[:2] != shape:
+        raise InvalidRequest(
+            f"routed_experts must be [bs, T, layers, top_k] with [bs, T] = {list(shape)}, got "
+            f"{list(routed.shape)}",
+            parameter="routed_experts",
+        )
+    moe = client.info().moe
+    if moe is None:
+        raise InvalidRequest(
+            "the batch holds routed_experts but the service serves a dense model",
+            parameter="routed_experts",
+        )
+    if routed.shape[2] == len(moe.layers):
+        return routed.astype(np.int64)
+    if routed.shape[2] == moe.num_hidden_layers:
+        return routed[:, :, list(moe.layers)].astype(np.int64)
+    raise InvalidRequest(
+        f"routed_experts holds {routed.shape[2]} layers; the model has {moe.num_hidden_layers} "
+        f"decoder layers, {len(moe.layers)} of them MoE",
+        parameter="routed_experts",
+    )
 
 
 # ------------------------------------------------------------------ verl's own actor, patched

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from oldlogit.contract.layout import WeightLayout
+from oldlogit.contract.types import MoeInfo
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
 from oldlogit.parity.numerics import transformers_version
 from oldlogit.parity.skeleton import buffer_digests, reference_buffers
@@ -160,6 +161,23 @@ class LoadedModel:
             torch_version=torch.__version__,
             buffers=buffer_digests(reference_buffers(self.module)),
             transformers_version=transformers_version(),
+        )
+
+    def moe_info(self) -> MoeInfo | None:
+        """The routing a ``RoutedExperts`` record describes (``oldlogit.parity.routing``): the
+        MoE layers, experts and top-k of a transformers mixture-of-experts model; else None."""
+        if not isinstance(self.backend, TransformersBackend):
+            return None
+        from oldlogit.parity.routing import moe_layout
+
+        layout = moe_layout(self.module)
+        if layout is None:
+            return None
+        return MoeInfo(
+            layers=list(layout.layers),
+            num_experts=layout.num_experts,
+            top_k=layout.top_k,
+            num_hidden_layers=layout.num_hidden_layers,
         )
 
     def weight_dtype(self, name: str) -> torch.dtype:

@@ -80,6 +80,7 @@ class SequenceRequest(_message.Message):
     SCORE_FROM_FIELD_NUMBER: _builtins.int
     VERSIONS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """Scores positions >= score_from with this version (single-version mode)."""
     score_from: _builtins.int
@@ -96,6 +97,12 @@ class SequenceRequest(_message.Message):
     def sampling(self) -> Global___Sampling:
         """Overrides the request's sampling for this sequence when set."""
 
+    @_builtins.property
+    def routed_experts(self) -> Global___RoutedExperts:
+        """MoE models: the experts each position's forward is sent to, replayed for every version
+        (docs/exactness.md, "Routing replay"); unset: free routing.
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +111,11 @@ class SequenceRequest(_message.Message):
         score_from: _builtins.int | None = ...,
         versions: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___Sampling | None = ...,
+        routed_experts: Global___RoutedExperts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_score_from", b"_score_from", "policy_version", b"policy_version", "sampling", b"sampling", "score_from", b"score_from"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_score_from", b"_score_from", "policy_version", b"policy_version", "routed_experts", b"routed_experts", "sampling", b"sampling", "score_from", b"score_from"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_score_from", b"_score_from", "policy_version", b"policy_version", "sampling", b"sampling", "score_from", b"score_from", "token_ids", b"token_ids", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_score_from", b"_score_from", "policy_version", b"policy_version", "routed_experts", b"routed_experts", "sampling", b"sampling", "score_from", b"score_from", "token_ids", b"token_ids", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
@@ -121,6 +129,51 @@ class SequenceRequest(_message.Message):
 Global___SequenceRequest: _TypeAlias = SequenceRequest  # noqa: Y015
 
 @_typing.final
+class RoutedExperts(_message.Message):
+    """A MoE routing record: rows x layers x top_k expert ids. Row r holds, for each of the model's
+    MoE layers (Info.moe.layers, decoder order), the top_k experts chosen when the forward
+    processed the token at position start + r. A row of all -1 has no record (routes freely).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    IDS_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    """The position of row 0 in the sequence."""
+    rows: _builtins.int
+    """Number of rows."""
+    layers: _builtins.int
+    """MoE layers per row."""
+    top_k: _builtins.int
+    """Experts per layer."""
+    width: _builtins.int
+    """Bytes per id: 2 (int16) or 4 (int32)."""
+    ids: _builtins.bytes
+    """rows x layers x top_k ids, row-major, little-endian, `width` bytes each."""
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        rows: _builtins.int = ...,
+        layers: _builtins.int = ...,
+        top_k: _builtins.int = ...,
+        width: _builtins.int = ...,
+        ids: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "layers", b"layers", "rows", b"rows", "start", b"start", "top_k", b"top_k", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoutedExperts: _TypeAlias = RoutedExperts  # noqa: Y015
+
+@_typing.final
 class LogprobsRequest(_message.Message):
     """A batch of sequences to score."""
 
@@ -132,6 +185,7 @@ class LogprobsRequest(_message.Message):
     ALLOW_INEXACT_FIELD_NUMBER: _builtins.int
     USE_CACHE_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    RETURN_ROUTING_FIELD_NUMBER: _builtins.int
     proxy: _builtins.str
     """"ewma": serve the approximate EWMA proxy policy (never exact); unset means exact only."""
     allow_inexact: _builtins.bool
@@ -140,6 +194,8 @@ class LogprobsRequest(_message.Message):
     """Use the result cache; unset means true."""
     timeout_s: _builtins.float
     """Server-side deadline in seconds; unset means the server's default."""
+    return_routing: _builtins.bool
+    """MoE models: return, per sequence and version, the routing its forward used (rows 0 .. n-2)."""
     @_builtins.property
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceRequest]:
         """The sequences, answered in the same order."""
@@ -157,10 +213,11 @@ class LogprobsRequest(_message.Message):
         allow_inexact: _builtins.bool = ...,
         use_cache: _builtins.bool | None = ...,
         timeout_s: _builtins.float | None = ...,
+        return_routing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_proxy", b"_proxy", "_timeout_s", b"_timeout_s", "_use_cache", b"_use_cache", "proxy", b"proxy", "sampling", b"sampling", "timeout_s", b"timeout_s", "use_cache", b"use_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_proxy", b"_proxy", "_timeout_s", b"_timeout_s", "_use_cache", b"_use_cache", "allow_inexact", b"allow_inexact", "proxy", b"proxy", "sampling", b"sampling", "sequences", b"sequences", "timeout_s", b"timeout_s", "use_cache", b"use_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_proxy", b"_proxy", "_timeout_s", b"_timeout_s", "_use_cache", b"_use_cache", "allow_inexact", b"allow_inexact", "proxy", b"proxy", "return_routing", b"return_routing", "sampling", b"sampling", "sequences", b"sequences", "timeout_s", b"timeout_s", "use_cache", b"use_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__proxy: _TypeAlias = _typing.Literal["proxy"]  # noqa: Y015
     _WhichOneofArgType__proxy: _TypeAlias = _typing.Literal["_proxy", b"_proxy"]  # noqa: Y015
@@ -214,6 +271,7 @@ class SequenceResult(_message.Message):
     WEIGHT_SHA256_FIELD_NUMBER: _builtins.int
     EXACT_FIELD_NUMBER: _builtins.int
     CACHED_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     exact: _builtins.bool
     """False when any value is an approximation (proxy or allow_inexact fallback)."""
     cached: _builtins.bool
@@ -234,6 +292,12 @@ class SequenceResult(_message.Message):
     def weight_sha256(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionHash]:
         """The weight hash of each version used."""
 
+    @_builtins.property
+    def routed_experts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoutedExperts]:
+        """With return_routing: one record per entry of `versions` (that version's forward), rows
+        0 .. n-2 from start 0.
+        """
+
     def __init__(
         self,
         *,
@@ -242,10 +306,11 @@ class SequenceResult(_message.Message):
         weight_sha256: _abc.Iterable[Global___VersionHash] | None = ...,
         exact: _builtins.bool = ...,
         cached: _builtins.bool = ...,
+        routed_experts: _abc.Iterable[Global___RoutedExperts] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "exact", b"exact", "logprobs", b"logprobs", "versions", b"versions", "weight_sha256", b"weight_sha256"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "exact", b"exact", "logprobs", b"logprobs", "routed_experts", b"routed_experts", "versions", b"versions", "weight_sha256", b"weight_sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1034,6 +1099,7 @@ class Info(_message.Message):
     BUFFERS_FIELD_NUMBER: _builtins.int
     BUFFER_CONVENTION_FIELD_NUMBER: _builtins.int
     TRANSFORMERS_VERSION_FIELD_NUMBER: _builtins.int
+    MOE_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -1113,6 +1179,10 @@ class Info(_message.Message):
         oldlogit.parity.trainer_numerics(like=...) computes with the same values or is refused.
         """
 
+    @_builtins.property
+    def moe(self) -> Global___MoeInfo:
+        """Mixture-of-experts models: the routing a RoutedExperts record describes; unset: dense."""
+
     def __init__(
         self,
         *,
@@ -1144,10 +1214,11 @@ class Info(_message.Message):
         buffers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         buffer_convention: _builtins.str = ...,
         transformers_version: _builtins.str = ...,
+        moe: Global___MoeInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "moe", b"moe", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015
@@ -1163,6 +1234,42 @@ class Info(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__watermark) -> _WhichOneofReturnType__watermark | None: ...
 
 Global___Info: _TypeAlias = Info  # noqa: Y015
+
+@_typing.final
+class MoeInfo(_message.Message):
+    """A mixture-of-experts model's routing shape."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    NUM_HIDDEN_LAYERS_FIELD_NUMBER: _builtins.int
+    num_experts: _builtins.int
+    """Routed experts per MoE layer (shared experts not counted)."""
+    top_k: _builtins.int
+    """Experts per token per MoE layer."""
+    num_hidden_layers: _builtins.int
+    """Decoder layers (vLLM's and SGLang's layer dimension)."""
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The decoder layer index of each MoE layer, in order (packed)."""
+
+    def __init__(
+        self,
+        *,
+        layers: _abc.Iterable[_builtins.int] | None = ...,
+        num_experts: _builtins.int = ...,
+        top_k: _builtins.int = ...,
+        num_hidden_layers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "num_experts", b"num_experts", "num_hidden_layers", b"num_hidden_layers", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoeInfo: _TypeAlias = MoeInfo  # noqa: Y015
 
 @_typing.final
 class TensorInfo(_message.Message):

@@ -138,12 +138,20 @@ def tiled_mm(
                 break
             _gemm(x[done : done + chunk], w_t, bias, out[done : done + chunk])
             done += chunk
-    if done < m:  # the tiles themselves, the last one zero-padded
+    if done < m:  # the rest, the last tile zero-padded
         rest = x[done:]
         if rows - done != m - done:
             rest = x.new_zeros(rows - done, k)  # [rest rows, K]
             rest[: m - done] = x[done:]
-        _tiles(rest, w_t, bias, out[done:], tile_rows, strategy)
+        if (
+            x.device.type == "cpu"
+            and strategy == "bmm"
+            and rows - done <= CHUNK_ROWS
+            and chunk_verified(weight, bias, tile_rows, rows - done)
+        ):  # one GEMM, as verified (a one-tile bmm is slower than the mm that matches it)
+            _gemm(rest, w_t, bias, out[done:])
+        else:
+            _tiles(rest, w_t, bias, out[done:], tile_rows, strategy)
     return out[:m]
 
 

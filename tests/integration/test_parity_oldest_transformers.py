@@ -5,7 +5,9 @@ of every row of tests/parity_setups.py runs in ``.venv-verl`` (scripts/trainer_v
 transformers 5.5.3, verl's pin) as a subprocess. Every row must come out as it does here:
 bitwise on every scored token with the same gradients, or refused by name — so a trainer on one
 release and a service on another give the same bits (liger-kernel is not installed there; its
-row is skipped). Skipped without ``.venv-verl``.
+row is skipped). Skipped without ``.venv-verl``. MoE routing replay too: a trainer there
+replaying a routing record (``tests/integration/routing_worker.py``) gets the service's bits for
+each MoE family.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from tests.architectures import MOE, VOCAB
+from tests.architectures import model_dir as arch_dir
 from tests.integration.conftest import Served, start_served
 from tests.parity_setups import SETUPS, VERSION
 
@@ -80,3 +84,64 @@ def test_every_row_holds_with_the_oldest_transformers(
         assert row["result"] == expected, f"{setup.name}: {row.get('message', row)}"
         if expected == "bitwise":
             assert row["tokens"] > 900 and row["max_abs"] == 0.0
+
+
+def test_routing_replay_holds_with_the_oldest_transformers(tmp_path: Path) -> None:
+    """The engine here (transformers of this environment) and a trainer on 5.5.3 replay one
+    routing record — partial, with −1 rows — to the same bits, for every MoE family."""
+    if not OLD_PYTHON.exists():
+        pytest.skip(".venv-verl is missing: run scripts/trainer_venv.sh (CI does)")
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.engine import Engine, Job
+    from oldlogit_service.model.loaded import load_model
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = (7, 13)
+    t_max = max(lengths)
+    spec: dict[str, object] = {"tile_rows": 16, "families": {}}
+    served: dict[str, list[torch.Tensor]] = {}
+    for arch in MOE:
+        hub = arch_dir(tmp_path / arch, arch)
+        model = load_model(hub, dtype="float32", device="cpu", tile_rows=16)
+        weights = load_weights(hub, model)
+        assert weights is not None
+        engine = Engine(model)
+        assert engine.moe is not None
+        layers, k, experts = len(engine.moe.layers), engine.moe.top_k, engine.moe.num_experts
+        ids = torch.zeros(len(lengths), t_max, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        routed = torch.full((len(lengths), t_max, layers, k), -1, dtype=torch.long)
+        jobs = []
+        for b, n in enumerate(lengths):
+            seq = torch.randint(3, VOCAB, (n,), generator=gen)
+            rec = torch.stack(
+                [torch.randperm(experts, generator=gen)[:k] for _ in range(n * layers)]
+            ).view(n, layers, k)
+            rec[2] = -1  # position 2 routes freely
+            ids[b, t_max - n :], mask[b, t_max - n :], routed[b, t_max - n :] = seq, 1, rec
+            jobs.append(Job(seq, torch.arange(1, n), routing=rec))
+        served[arch] = engine.run(weights, jobs)
+        spec["families"][arch] = {  # type: ignore[index]
+            "dir": str(hub),
+            "input_ids": ids.tolist(),
+            "attention_mask": mask.tolist(),
+            "routed_experts": routed.tolist(),
+        }
+    spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [str(OLD_PYTHON), "-m", "tests.integration.routing_worker", str(spec_path), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["transformers"] == "5.5.3" != transformers.__version__
+    for arch in MOE:
+        raw = bytes.fromhex(seen["families"][arch])
+        trainer = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(len(lengths), t_max)
+        for b, n in enumerate(lengths):
+            assert torch.equal(trainer[b, t_max - n + 1 :], served[arch][b]), (arch, b)

@@ -1,12 +1,15 @@
 """MoE routing replay, served: over HTTP (JSON and msgpack) and gRPC, per family.
 
 Per MoE family of ``tests/architectures.py`` (Qwen3-MoE, Qwen2-MoE with its shared expert,
-Mixtral, DeepSeek-V3 with its routing bias and a dense first layer): a real server holds the
-directory's weights (version 0) and a trainer's state dict (version 1), and
+Mixtral, DeepSeek-V3 with its routing bias and a dense first layer): a real server — Mixtral's
+on the lagging route — holds the directory's weights (version 0) and a trainer's state dict
+(version 1), and
 - the routing it returns (``return_routing``: one record per version's forward), replayed,
   gives bitwise the free-routing answer, per-token versions included;
 - another routing — a start offset, −1 rows — gives bitwise what the trainer computes replaying
   it under ``trainer_numerics(like=…)`` at each version, on every transport;
+- verl's ``routed_experts`` batch key (every decoder layer, zeros in dense layers, padding and
+  the last row) is replayed by ``compute_old_log_prob``;
 - a bad record is refused with 400 / INVALID_ARGUMENT naming the parameter and position, and a
   good request beside it is answered.
 """
@@ -46,6 +49,7 @@ def moe_server(
         tile_rows=16,
         write_token=WRITE_TOKEN,
         max_wait_ms=1.0,
+        strategy="lagging" if arch == "mixtral" else "snapshot",  # both routes replay
     )
     server = ServerThread(settings).start()
     trainers = {0: hf_model(arch, seed=0), 1: hf_model(arch, seed=7)}
@@ -186,3 +190,44 @@ def test_bad_records_are_refused_by_name_and_leave_the_rest_alone(moe_server):
             with pytest.raises(InvalidRequest, match="top_k") as err:
                 client.logprobs(s, policy_version=0, routed_experts=good[:, :, :1])
             assert err.value.parameter == "sequences[0].routed_experts"
+
+
+def test_verl_batch_routed_experts_are_replayed(moe_server):
+    server, _arch, trainers = moe_server
+    seqs = _sequences(5)
+    with Client(server.grpc_url) as c:
+        info = c.info()
+        moe = info.moe
+        assert moe is not None
+        width, t_max, bs = 5, max(LENGTHS), len(seqs)
+        k = moe.top_k
+        gen = np.random.default_rng(6)
+        # verl's layout: prompts left-padded, the last `width` columns the response.
+        input_ids = np.zeros((bs, t_max), dtype=np.int64)
+        attention_mask = np.zeros_like(input_ids)
+        routed = np.zeros((bs, t_max, moe.num_hidden_layers, k), dtype=np.uint8)
+        for b, s in enumerate(seqs):
+            lo = t_max - len(s)
+            input_ids[b, lo:], attention_mask[b, lo:] = s, 1
+            for t in range(lo, t_max - 1):  # the last row stays 0, as verl leaves it
+                for j in moe.layers:
+                    routed[b, t, j] = gen.permutation(moe.num_experts)[:k]
+        batch = {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "responses": torch.from_numpy(input_ids[:, -width:]),
+            "routed_experts": torch.from_numpy(routed),
+        }
+        from oldlogit.integrations import compute_old_log_prob
+
+        out = compute_old_log_prob(c, batch, policy_version=1)
+    replay = torch.from_numpy(routed[:, :, list(moe.layers)].astype(np.int64))
+    with trainer_numerics(trainers[1], like=info.numerics_spec()), torch.no_grad():
+        want = token_logprobs(
+            trainers[1],
+            torch.from_numpy(input_ids),
+            torch.from_numpy(attention_mask),
+            routed_experts=replay,
+        )[:, -width:]
+    assert torch.equal(out["old_log_probs"], want)
+    assert bool(out["old_log_probs_mask"].all())

@@ -151,8 +151,9 @@ def token_logprobs(
     same sequence, whatever the batch, padding side or packing.
     ``routed_experts`` (MoE models, under ``trainer_numerics``): [B, T, L, k] expert ids
     aligned with ``input_ids`` — entry [b, t, j] the experts MoE layer j sends the token at
-    [b, t] to, −1 rows route freely, padding rows are ignored — replayed in the forward and its
-    backward (docs/exactness.md, "Routing replay"); the service's answer with the same record.
+    [b, t] to, −1 rows route freely, padding rows and each sequence's last row are ignored —
+    replayed in the forward and its backward (docs/exactness.md, "Routing replay"); the
+    service's answer with the same record.
     """
     sampling = _sampling(temperature, top_k, top_p)
     if input_ids.dim() != 2:
@@ -170,7 +171,10 @@ def token_logprobs(
     rows = length if logits_to_keep is None else logits_to_keep + 1
     replay = None
     if routed_experts is not None:
-        replay = replay_routing(model, routed_experts, real, input_ids.device)
+        needed = torch.zeros(batch, length, dtype=torch.bool)  # [B, T]: a scored token's prefix
+        for b, s, e in segments.rows:
+            needed[b, s : e - 1] = True
+        replay = replay_routing(model, routed_experts, needed, input_ids.device)
     with routing.use(replay) if replay is not None else nullcontext():
         out = _call(
             model,
@@ -212,10 +216,12 @@ def token_logprobs(
 
 
 def replay_routing(
-    model: nn.Module, routed_experts: Tensor, real: Tensor, device: torch.device
+    model: nn.Module, routed_experts: Tensor, needed: Tensor, device: torch.device
 ) -> routing.Routing:
     """A [B, T, L, k] record aligned with a batch as the forward's ``Routing`` over its
-    [B * T] rows; ``real`` [B, T] marks tokens of sequences (other rows route freely).
+    [B * T] rows; ``needed`` [B, T] marks the rows a scored logprob depends on (a sequence's
+    tokens but its last): the others — padding, each sequence's last token, whatever they hold
+    (verl leaves zeros there) — route freely, as the service routes a sequence's last row.
     Checked by the service's rule (``oldlogit.contract.routing.check_routing``)."""
     from oldlogit.contract.routing import check_routing
 
@@ -228,7 +234,7 @@ def replay_routing(
             f"routed_experts: {type(unwrap_model(model)).__name__} has no MoE layers whose "
             "routing oldlogit replays"
         )
-    batch, length = int(real.shape[0]), int(real.shape[1])
+    batch, length = int(needed.shape[0]), int(needed.shape[1])
     shape = [batch, length, len(layout.layers), layout.top_k]
     if list(routed_experts.shape) != shape:
         raise ValueError(
@@ -236,7 +242,7 @@ def replay_routing(
             f"{list(routed_experts.shape)}"
         )
     ids = routed_experts.detach().to("cpu", torch.int64).numpy().copy()  # [B, T, L, k]
-    ids[~real.numpy()] = -1  # padding: no record
+    ids[~needed.numpy()] = -1  # no logprob depends on these rows: free
     for b in range(batch):
         check_routing(
             ids[b],

@@ -14,6 +14,7 @@ from benchmarks import (
     parity,
     peer,
     pipeline,
+    routing,
     serving,
     soak,
     throughput,
@@ -31,6 +32,7 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "tls": tls,
     "models": models,
     "peer": peer,
+    "routing": routing,
 }
 DEFAULT = [
     "serving",
@@ -39,7 +41,8 @@ DEFAULT = [
     "parity",
     "pipeline",
     "tls",
-]  # the soak and the real-size models run for minutes, peer starts Ray: ask for them by name
+]  # the soak and the real-size models run for minutes, peer starts Ray, routing is for MoE
+# replay: ask for them by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures",
         nargs="*",
         metavar="suite",
-        help=f"which suites (default all but soak, models and peer): {sorted(SUITES)}",
+        help=f"which suites (default all but soak, models, peer, routing): {sorted(SUITES)}",
     )
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for CI")
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     tls.add_args(p)
     models.add_args(p)
     peer.add_args(p)
+    routing.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(SUITES))
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         tls.smoke(args)
         models.smoke(args)
         peer.smoke(args)
+        routing.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -46,6 +46,7 @@ __all__ = [
     "file_tensors",
     "parse_patch",
     "rebuild",
+    "undo",
 ]
 
 # Bytes per rebuild block, per tensor: the copy of a block and the patch entries that land in
@@ -242,6 +243,22 @@ def rebuild(
                 elif cut[j + 1] > cut[j]:
                     a, b = cut[j], cut[j + 1]
                     dst[t.positions[a:b]] = t.values[a:b]  # type: ignore[index]
+
+
+def undo(buf: npt.NDArray[np.uint8], layout: Iterable[TensorEntry], patch: Patch) -> Patch:
+    """The patch that takes ``buf`` (laid out as ``layout``) back to its present bytes once
+    ``patch`` has been applied to it: the same positions, the values ``buf`` holds there now.
+    A keyframe moved down its chain turns each forward patch into this reverse one (same size).
+    """
+    out: dict[str, TensorPatch] = {}
+    for e in layout:
+        t = patch.tensors.get(e.name)
+        if t is None:
+            continue
+        now = bits_view(buf[e.begin : e.end], _itemsize(e.dtype))
+        values = now.copy() if t.positions is None else now[t.positions]
+        out[e.name] = TensorPatch(t.positions, values)
+    return Patch(out)
 
 
 def check_format(metadata: Mapping[str, str], what: str) -> None:

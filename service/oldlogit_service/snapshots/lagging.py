@@ -41,6 +41,10 @@ class ChainSource(Protocol):
 
     def load_patch(self, sv: persist.StoredVersion) -> codec.Patch: ...
 
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """Held while a chain is read: files its records name are not deleted meanwhile."""
+        ...
+
     def materialize(self, version: int) -> Resident:
         """The version's weights in a fresh CPU buffer."""
         ...
@@ -99,6 +103,10 @@ class LaggingModel:
             yield MappingProxyType(self._res.tensors)
 
     def _advance(self, target: int) -> None:
+        with self._src.reading():
+            self._advance_reading(target)
+
+    def _advance_reading(self, target: int) -> None:
         chain = self._src.chain(target)  # [target, parent, ..., keyframe]; missing: raises
         versions = [sv.version for sv in chain]
         at = versions.index(self._version) if self._version in versions else None

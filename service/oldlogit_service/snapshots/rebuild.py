@@ -3,18 +3,30 @@
 In: the registry's records (parent links) and the CPU copies and decoded patches memory holds.
 Out: a version's weights in a fresh CPU buffer (``materialize``, residency's loader); whether a
 new version is stored as a keyframe; patch and keyframe files; new records for versions whose
-chain loses a member. A rebuild starts from the nearest CPU copy in memory on its chain, else
-from the keyframe file, and is checked against the version's hash the first time this process
-builds it. No request handling, no registry writes.
+chain loses a member, and for a keyframe moved to where rebuilds are asked for. A rebuild
+starts from the nearest CPU copy in memory on its chain, else from the keyframe file, and is
+checked against the version's hash the first time this process builds it. No request handling,
+no registry writes (the store swaps the records this writes).
+
+Keyframes follow access: each keyframe and the versions rebuilt from it form a tree (parent
+links). ``keyframe_move`` finds the tree's version that minimises the rebuild work of the
+rebuilds observed lately (the demand-weighted centroid: no branch holds more than half of the
+demand); ``rewrites_for_move`` makes it the keyframe and each version on the way from the old
+keyframe a patch against its child (the same positions as the child's patch, its own values:
+the same bytes on disk), checked bit for bit before any record changes. More keyframes would
+cut rebuilds too, at a snapshot of disk each; a moved keyframe costs none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
+import threading
+import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +40,62 @@ from oldlogit_service.snapshots.residency import Residency, Resident
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Rebuilder"]
+__all__ = ["KeyframeMove", "Rebuilder", "centroid"]
 
 # A patch byte costs about this many snapshot bytes of copying to apply (decode + scatter, as
 # measured on CPU); used only to rank what to keep in memory.
 PATCH_BYTE_COST = 6.0
+
+# Keyframes that follow access (module docstring). Rebuilds count for this long (half-life):
+# the demand a keyframe placement is judged on.
+DEMAND_HALF_LIFE_S = 300.0
+# A keyframe moves only once its tree has seen this many rebuilds (decayed) since it was placed
+MOVE_MIN_DEMAND = 8.0
+# and the move cuts the patch bytes those rebuilds apply by at least this fraction (a move
+# writes a keyframe and every patch on its way: it must pay for itself).
+MOVE_MIN_GAIN = 0.3
+
+
+def centroid(parents: Mapping[int, int | None], weight: Mapping[int, float], root: int) -> int:
+    """The version of a tree (``parents``: version -> parent, ``root``'s None) that minimises
+    the weighted sum of its path lengths to every version, whatever the (positive) edge
+    lengths: the weighted centroid, where no branch holds more than half of the weight. From
+    ``root``, it steps into the one child holding more than half while there is one."""
+    children: dict[int, list[int]] = {}
+    for v, p in parents.items():
+        if p is not None and v != root:
+            children.setdefault(p, []).append(v)
+    order = [root]
+    for v in order:  # breadth first: parents before children
+        order.extend(sorted(children.get(v, ())))
+    below = {v: float(weight.get(v, 0.0)) for v in order}  # the weight of v's subtree
+    for v in reversed(order[1:]):
+        below[parents[v]] += below[v]  # type: ignore[index]
+    half = below[root] / 2
+    at = root
+    while True:
+        heavy = [c for c in children.get(at, ()) if below[c] > half]
+        if not heavy:
+            return at
+        at = heavy[0]
+
+
+@dataclass(frozen=True)
+class KeyframeMove:
+    """A keyframe to move down its chain: ``path`` is [the keyframe, ..., the new one]."""
+
+    path: tuple[persist.StoredVersion, ...]
+    gain: float  # the fraction of the demand's patch bytes it saves
+
+
+@dataclass(frozen=True)
+class MovedKeyframe:
+    """The records (files written, checked) of a keyframe moved along ``path``, and the reverse
+    patches decoded (for memory to keep)."""
+
+    path: tuple[persist.StoredVersion, ...]
+    records: dict[int, persist.StoredVersion]
+    patches: dict[int, codec.Patch]
 
 
 @dataclass
@@ -55,8 +118,10 @@ class Rebuilder:
         snapshot_nbytes: int,
         keyframe_every: int,
         keyframe_chain_fraction: float,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._registry = registry
+        self._clock = clock
         self._residency = residency
         self._dir = weights_dir
         self._specs = specs
@@ -65,6 +130,12 @@ class Rebuilder:
         self._chain_fraction = keyframe_chain_fraction
         self._verified: set[str] = set()  # (version, file) keys checked by this process
         self.counters: Counter[str] = Counter()
+        self._demand: dict[int, tuple[float, float]] = {}  # version -> (rebuilds, at), decayed
+        # Files no record owns any more are deleted once no rebuild that may have planned with
+        # the old records still runs (``reading``).
+        self._readers = 0
+        self._stale: list[str] = []
+        self._read_lock = threading.Lock()
 
     # -- trust ------------------------------------------------------------------------------
     @staticmethod
@@ -77,6 +148,30 @@ class Rebuilder:
     def mark_verified(self, sv: persist.StoredVersion) -> None:
         """This process wrote (or checked) these bytes: no hash check on their first load."""
         self._verified.add(self._key(sv))
+
+    # -- readers and retired files ---------------------------------------------------------
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """While a chain planned from the registry is read: files retired meanwhile wait."""
+        with self._read_lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._read_lock:
+                self._readers -= 1
+                stale = self._stale if self._readers == 0 else []
+                if stale:
+                    self._stale = []
+            persist.remove_files(self._dir, stale)
+
+    def retire_files(self, names: Iterable[str]) -> None:
+        """Delete files no record owns any more, once no rebuild may still read them."""
+        with self._read_lock:
+            if self._readers:
+                self._stale.extend(names)
+                return
+        persist.remove_files(self._dir, names)
 
     # -- costs and policy -------------------------------------------------------------------
     def rebuild_cost(self, version: int) -> float:
@@ -122,6 +217,12 @@ class Rebuilder:
         cached = self._residency.cached_patch(sv.version, key)
         if cached is not None:
             return cached
+        patch = self._read_patch(sv)
+        self._residency.offer(sv.version, patch, patch_key=key)
+        return patch
+
+    def _read_patch(self, sv: persist.StoredVersion) -> codec.Patch:
+        """A patch file read, its hash checked, decoded."""
         buf, header = persist.read_keyframe(
             self._dir / sv.file, pin=False, expect_sha256=sv.file_sha256, version=sv.version
         )
@@ -132,7 +233,6 @@ class Rebuilder:
         except OldLogitError as exc:
             raise persist.CorruptSnapshot(f"{sv.file}: {exc}", sv.version) from exc
         self.counters["bytes_read"] += header.nbytes
-        self._residency.offer(sv.version, patch, patch_key=key)
         return patch
 
     def write_patch(
@@ -219,17 +319,22 @@ class Rebuilder:
     def materialize(self, version: int) -> Resident:
         """A version's weights in a fresh CPU buffer (page-locked in front of a GPU): its
         keyframe read from disk, or its nearest base on the chain plus the patches above it."""
+        self._note_demand(version)
+        return self._materialize(version)
+
+    def _materialize(self, version: int) -> Resident:
         for attempt in range(3):
-            plan = self._plan(version)
-            try:
-                return self._rebuild(version, plan)
-            except persist.CorruptSnapshot:
-                # A removal may have rewritten the chain under this rebuild: plan again.
-                records = self._registry.records()
-                steps = [plan.base, *plan.patches]
-                moved = any(records.get(sv.version) is not sv for sv in steps)
-                if not moved or attempt == 2:
-                    raise
+            with self.reading():
+                plan = self._plan(version)
+                try:
+                    return self._rebuild(version, plan)
+                except persist.CorruptSnapshot:
+                    # A removal may have rewritten the chain under this rebuild: plan again.
+                    records = self._registry.records()
+                    steps = [plan.base, *plan.patches]
+                    moved = any(records.get(sv.version) is not sv for sv in steps)
+                    if not moved or attempt == 2:
+                        raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _rebuild(self, version: int, plan: _Plan) -> Resident:
@@ -292,6 +397,102 @@ class Rebuilder:
         finally:
             self._residency.unpin(version)
 
+    # -- keyframes that follow access -------------------------------------------------------
+    def _note_demand(self, version: int) -> None:
+        now = self._clock()
+        with self._read_lock:
+            n, at = self._demand.get(version, (0.0, now))
+            self._demand[version] = (_decayed(n, now - at) + 1.0, now)
+
+    def demand(self) -> dict[int, float]:
+        """Rebuilds asked for per version lately (decayed with ``DEMAND_HALF_LIFE_S``)."""
+        now = self._clock()
+        with self._read_lock:
+            return {v: _decayed(n, now - at) for v, (n, at) in self._demand.items()}
+
+    def keyframe_move(self) -> KeyframeMove | None:
+        """The keyframe whose move down its chain would save the most of the rebuild work
+        asked for lately, if a move pays (``MOVE_MIN_DEMAND``, ``MOVE_MIN_GAIN``)."""
+        records = self._registry.records()
+        demand = self.demand()
+        root_of: dict[int, int] = {}
+        for v in records:  # each version's keyframe, following parent links
+            path: list[int] = []
+            at: int | None = v
+            while at is not None and at not in root_of and at in records:
+                if len(path) > len(records):  # a cycle
+                    break
+                path.append(at)
+                at = records[at].parent if records[at].kind == "patch" else None
+            if at is None:
+                root = path[-1]
+            elif at in root_of:
+                root = root_of[at]
+            else:
+                continue  # a broken chain: rebuilds fail on it, nothing to move
+            for x in path:
+                root_of[x] = root
+        best: KeyframeMove | None = None
+        for root in {r for r in root_of.values()}:
+            tree = {v: records[v].parent if v != root else None for v, r in root_of.items()}
+            tree = {v: p for v, p in tree.items() if root_of[v] == root}
+            weight = {v: demand.get(v, 0.0) for v in tree}
+            if sum(weight.values()) < MOVE_MIN_DEMAND or len(tree) < 2:
+                continue
+            to = centroid(tree, weight, root)
+            if to == root:
+                continue
+            edge = {v: float(records[v].file_nbytes) for v in tree if v != root}
+            now, then = _work(tree, weight, edge, root), _work(tree, weight, edge, to)
+            gain = 1.0 - then / now if now > 0 else 0.0
+            if gain >= MOVE_MIN_GAIN and (best is None or gain > best.gain):
+                chain = self._registry.chain(to)  # [to, ..., root]
+                best = KeyframeMove(tuple(reversed(chain)), gain)
+        return best
+
+    def rewrites_for_move(self, move: KeyframeMove) -> MovedKeyframe:
+        """Write the files of ``move``: its last version as a keyframe, each one before it as
+        a patch against the next (``codec.undo``), every version on the path rebuilt from the
+        new files and checked against its hash before this returns (nothing else is touched;
+        the caller swaps the records, or removes the files)."""
+        path = move.path
+        written: list[str] = []
+        try:
+            with self.reading():
+                res = self._materialize(path[0].version)  # [nbytes]: the old keyframe's bytes
+                assert res.buffer is not None
+                buf, layout = res.buffer.numpy(), res.layout
+                reverse: dict[int, codec.Patch] = {}
+                for x, y in itertools.pairwise(path):
+                    forward = self.load_patch(y)
+                    reverse[x.version] = codec.undo(buf, layout, forward)
+                    codec.rebuild(buf, layout, [forward])  # buf: x -> y
+            top = path[-1]
+            # Refuses bytes that do not hash to the version's (the whole chain, checked).
+            kf = self.write_keyframe(top.version, res, top.sha256, top.created_at)
+            written.append(kf.file)
+            records: dict[int, persist.StoredVersion] = {top.version: kf}
+            for x, y in reversed(list(itertools.pairwise(path))):
+                sv = self.write_patch(
+                    x.version, y.version, reverse[x.version], x.sha256, x.created_at
+                )
+                written.append(sv.file)
+                records[x.version] = sv
+                # What a rebuild will read: the file, applied to the version after it.
+                codec.rebuild(buf, layout, [self._read_patch(sv)])  # buf: y -> x
+                got = buffers.hash_buffer(buf, layout)
+                if got != x.sha256:
+                    raise persist.CorruptSnapshot(
+                        f"version {x.version} rebuilt from its moved keyframe {top.version} "
+                        f"hashes to {got}, the registry says {x.sha256}",
+                        x.version,
+                    )
+        except BaseException:
+            persist.remove_files(self._dir, written)
+            raise
+        self.counters["keyframe_moves"] += 1
+        return MovedKeyframe(path, records, reverse)
+
     # -- rewrites ---------------------------------------------------------------------------
     def rewrites_for_removal(self, remove: set[int]) -> dict[int, persist.StoredVersion]:
         """New records (files written durably) for each retained version whose parent goes:
@@ -324,6 +525,34 @@ class Rebuilder:
         logger.info("version %d rewritten as a keyframe (its chain's keyframe goes)", version)
         with self.cpu_weights(version) as res:
             return self.write_keyframe(version, res, e.sha256, e.created_at)
+
+
+def _decayed(n: float, seconds: float) -> float:
+    return float(n * 2.0 ** (-max(0.0, seconds) / DEMAND_HALF_LIFE_S))
+
+
+def _work(
+    tree: Mapping[int, int | None],
+    weight: Mapping[int, float],
+    edge: Mapping[int, float],
+    at: int,
+) -> float:
+    """Patch bytes the demand ``weight`` applies with the keyframe at ``at``: each version's
+    path to ``at`` (``edge[v]``: the patch between v and its parent, either way)."""
+    near: dict[int, list[tuple[int, float]]] = {}
+    for v, p in tree.items():
+        if p is not None:
+            near.setdefault(v, []).append((p, edge[v]))
+            near.setdefault(p, []).append((v, edge[v]))
+    dist = {at: 0.0}
+    todo = [at]
+    while todo:
+        v = todo.pop()
+        for u, w in near.get(v, ()):
+            if u not in dist:
+                dist[u] = dist[v] + w
+                todo.append(u)
+    return sum(weight.get(v, 0.0) * dist.get(v, 0.0) for v in tree)
 
 
 def _slice(data: Any, begin: int, end: int) -> list[memoryview]:

@@ -78,15 +78,31 @@ class Registry:
         for p in persist.clear_stale(self.root, {sv.file for sv in doc.versions.values()}):
             logger.warning("removed %s: no acknowledged version owns it", p)
         lost: list[int] = []
-        for v in sorted(doc.versions):  # a patch's parent is older: it is decided first
-            sv = doc.versions[v]
-            orphan = sv.kind == "patch" and sv.parent not in self._records
-            if orphan or not file_ok(sv):
-                lost.append(v)
-                continue
-            self._records[v] = sv
-            self._last_used[v] = sv.created_at
-            self.disk.add(sv.disk_nbytes)
+        # A patch is decided after its parent (older, or newer once a keyframe moved down its
+        # chain: rebuild.py); one whose chain never reaches a kept keyframe (a parent lost,
+        # missing, or a cycle) is lost too.
+        pending = sorted(doc.versions)
+        while pending:
+            later: list[int] = []
+            for v in pending:
+                sv = doc.versions[v]
+                if sv.kind == "patch" and sv.parent not in self._records:
+                    if sv.parent in doc.versions and sv.parent not in lost:
+                        later.append(v)  # its parent is not decided yet
+                    else:
+                        lost.append(v)
+                    continue
+                if not file_ok(sv):
+                    lost.append(v)
+                    continue
+                self._records[v] = sv
+                self._last_used[v] = sv.created_at
+                self.disk.add(sv.disk_nbytes)
+            if len(later) == len(pending):  # no progress: a cycle of parents
+                lost.extend(later)
+                later = []
+            pending = later
+        lost.sort()
         self._newest, self._watermark = doc.newest, doc.watermark
         self._tombstones = doc.tombstones
         self._leases.load(r for r in doc.leases if r.version in self._records)
@@ -166,9 +182,10 @@ class Registry:
             while out[-1].kind == "patch":
                 parent = out[-1].parent
                 sv = None if parent is None else self._records.get(parent)
-                if sv is None:
+                if sv is None or len(out) > len(self._records):
                     v = out[-1].version
-                    raise persist.CorruptSnapshot(f"version {v}: its parent {parent} is gone", v)
+                    why = "is gone" if sv is None else "leads round a cycle"
+                    raise persist.CorruptSnapshot(f"version {v}: its parent {parent} {why}", v)
                 out.append(sv)
             return out
 
@@ -176,10 +193,14 @@ class Registry:
         """Retained versions rebuilt through any of ``versions`` (excluding them)."""
         with self._lock:
             out: set[int] = set()
-            for v in sorted(self._records):  # parents are older: one pass sees them first
-                p = self._records[v].parent
-                if p is not None and (p in versions or p in out):
-                    out.add(v)
+            grew = True
+            while grew:  # parents may be newer (a moved keyframe): until nothing joins
+                grew = False
+                for v, sv in self._records.items():
+                    p = sv.parent
+                    if v not in out and p is not None and (p in versions or p in out):
+                        out.add(v)
+                        grew = True
             return out - versions
 
     def dependents(self, remove: set[int]) -> list[int]:

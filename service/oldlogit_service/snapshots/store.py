@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypeVar
 
 import torch
 
@@ -48,6 +51,32 @@ from oldlogit_service.snapshots.tiers import DISK, TierAccount
 logger = logging.getLogger(__name__)
 
 __all__ = ["SnapshotStore"]
+
+# Linux nice of the thread that writes a moved keyframe's files (beside the forwards).
+MOVE_NICE = 10
+T = TypeVar("T")
+
+
+def _at_low_priority(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own at ``MOVE_NICE`` (a thread's nice cannot be raised back
+    once lowered, so not the caller's), waited for."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MOVE_NICE)
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="oldlogit-keyframe-move", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
 
 
 class SnapshotStore:
@@ -85,6 +114,7 @@ class SnapshotStore:
         keyframe_chain_fraction: float = 1.0,
         claim: Claim | None = None,
         pinned_elsewhere: Callable[[], set[int]] | None = None,
+        keyframes_follow_access: bool = True,
     ) -> None:
         """``verify_first_load``: a version recovered from an earlier process has its weight
         hash recomputed on its first load (one more pass over memory per version per process;
@@ -93,6 +123,10 @@ class SnapshotStore:
         Keyframe policy: a new version is stored as a patch against its parent unless that
         would make its chain ``keyframe_every`` versions long (1: every version a keyframe) or
         its chain's patches larger than ``keyframe_chain_fraction`` of one keyframe.
+
+        ``keyframes_follow_access``: ``sweep`` moves a keyframe down its chain to where the
+        rebuilds lately asked for would apply the fewest patches (``rebuild.py``; never in
+        scale-out, where another replica may still adopt a keyframe's file).
 
         Scale-out: ``claim`` is the shared registry's claim, between "durable here" and
         "visible anywhere"; ``pinned_elsewhere`` the versions leased on other replicas.
@@ -106,6 +140,7 @@ class SnapshotStore:
         self._specs = ingest.normalize_specs(param_specs)
         self._snapshot_nbytes = ingest.specs_nbytes(self._specs)
         self._pinned_elsewhere = pinned_elsewhere
+        self._follow_access = keyframes_follow_access and claim is None
         self._closed = False
         self._retention_due = False
         self._root.mkdir(parents=True, exist_ok=True)
@@ -137,6 +172,7 @@ class SnapshotStore:
             snapshot_nbytes=self._snapshot_nbytes,
             keyframe_every=int(keyframe_every),
             keyframe_chain_fraction=float(keyframe_chain_fraction),
+            clock=clock,
         )
         self._publisher = Publisher(
             registry=self.registry,
@@ -162,6 +198,8 @@ class SnapshotStore:
         self._lagging = LaggingModel(self)
         if self.residency.pin_host:  # staging buffers: a load in flight and the next one
             buffers.PINNED_POOL.set_limit(2 * self._snapshot_nbytes)
+        else:  # an evicted version's memory, for the load that made room by evicting it
+            buffers.HOST_POOL.keep(self._snapshot_nbytes, 1)
         if self.residency.device_tier.budget < self._snapshot_nbytes:
             logger.warning(
                 "device budget %d B is below one version (%d B): every request reloads",
@@ -388,13 +426,60 @@ class SnapshotStore:
         persist.remove_files(self._root / persist.WEIGHTS, files)
 
     def sweep(self) -> None:
-        """Expire leases and apply the disk retention rules (the service calls this
-        periodically; writes apply retention themselves). Failures are logged, not raised."""
+        """Expire leases, apply the disk retention rules and move a keyframe to where rebuilds
+        are asked for, if one pays (the service calls this periodically; writes apply
+        retention themselves). Failures are logged, not raised."""
         if self._closed:
             return
         if self.registry.expire_leases():
             self._retention_due = True
         self._retain()
+        if self._follow_access:
+            self.move_keyframe()
+
+    def move_keyframe(self) -> bool:
+        """Move the keyframe whose move saves the most rebuild work (``Rebuilder.keyframe_move``)
+        down its chain: its files are written and checked at a low CPU priority (a thread of
+        its own, waited for), then the records swapped durably. True if one moved. Every
+        version's bytes stay what was published (each is rebuilt and hashed before the swap).
+        """
+        try:
+            move = self.rebuilder.keyframe_move()
+            if move is None:
+                return False
+            moved = _at_low_priority(lambda: self.rebuilder.rewrites_for_move(move))
+        except Exception:
+            logger.exception("moving a keyframe failed; the chains stay as they were")
+            return False
+        new_files = [sv.file for sv in moved.records.values()]
+        with self.registry.persist_lock:
+            records = self.registry.records()
+            if any(records.get(sv.version) is not sv for sv in moved.path):
+                # A publish or removal rewrote the path meanwhile: leave it as it is now.
+                persist.remove_files(self._root / persist.WEIGHTS, new_files)
+                return False
+            try:
+                old = self.registry.remove((), replace=moved.records, evicted=False)
+            except BaseException:
+                persist.remove_files(self._root / persist.WEIGHTS, new_files)
+                raise
+            for v, sv in moved.records.items():
+                self.residency.forget_patch(v)  # against its old parent
+                patch = moved.patches.get(v)
+                if patch is not None:
+                    self.residency.offer(v, patch, patch_key=sv.file_sha256 or sv.file)
+        self.rebuilder.retire_files(old)
+        path = [sv.version for sv in moved.path]
+        logger.info(
+            "keyframe of versions %d..%d moved from version %d to %d (rebuilds asked for "
+            "apply %.0f %% fewer patch bytes)",
+            min(path),
+            max(path),
+            path[0],
+            path[-1],
+            100 * move.gain,
+        )
+        return True
 
     def _retain(self) -> None:
         """Apply the disk rules after an operation that already succeeded: a failure here (a
@@ -536,6 +621,9 @@ class SnapshotStore:
 
     def load_patch(self, sv: persist.StoredVersion) -> codec.Patch:
         return self.rebuilder.load_patch(sv)
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        return self.rebuilder.reading()
 
     def materialize(self, version: int) -> Resident:
         return self.rebuilder.materialize(version)

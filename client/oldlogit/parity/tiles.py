@@ -64,12 +64,11 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
     ``tile_rows``-row calls (its tiles), on this process's kernels and thread count. Checked
     once per key on seeded random rows (a kernel's reduction order does not depend on the
     values, and random full-precision rows make two different orders disagree)."""
-    k = weight.shape[1]
     key = (
         weight.device.type,
         weight.dtype,
-        tuple(weight.shape),
-        tuple(weight.stride()),
+        weight.shape,
+        weight.stride(),
         bias is not None,
         tile_rows,
         chunk_rows,
@@ -78,6 +77,7 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
     ok = _verified.get(key)
     if ok is not None:
         return ok
+    k = weight.shape[1]
     with _verify_lock, torch.no_grad():
         gen = torch.Generator().manual_seed(chunk_rows * 131 + k)
         rows = torch.randn(chunk_rows, k, generator=gen).to(weight.device, weight.dtype)
@@ -121,10 +121,23 @@ def tiled_mm(
     n_out = weight.shape[0]
     if m == 0:
         return x.new_empty(0, n_out)
+    rows = -(-m // tile_rows) * tile_rows
+    if (
+        rows <= CHUNK_ROWS
+        and x.device.type == "cpu"
+        and chunk_verified(weight, bias, tile_rows, rows)
+    ):  # the common short input: one GEMM over its rows, the last tile zero-padded
+        if rows == m:
+            a = x.contiguous()
+        else:
+            a = x.new_zeros(rows, k)
+            a[:m] = x
+        w_t = weight.t()
+        y = torch.mm(a, w_t) if bias is None else torch.addmm(bias, a, w_t)
+        return y if rows == m else y[:m]
     x = x.contiguous()
     w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
     strategy = tile_strategy(x.device, x.dtype, n_out)
-    rows = -(-m // tile_rows) * tile_rows
     out = x.new_empty(rows, n_out)  # [rows, N]
     done = 0  # rows computed in verified chunks
     if x.device.type == "cpu":

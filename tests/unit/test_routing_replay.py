@@ -252,7 +252,23 @@ def test_records_placed_on_positions_and_free_rows():
     assert (plan.routing[2:5] == _ids(3)).all() and (plan.routing[5] == -1).all()
     (plan,) = _plan(RoutedExperts(ids=_ids(5, fill=-1)))  # no row recorded: free routing
     assert plan.routing is None
-    assert routing_rows(RoutedExperts(ids=_ids(0)), 1, "r").shape == (1, 2, 2)
+    # No rows (a record from the last position on; JSON's [] has no inner shape): free.
+    empty = wire.decode_request(
+        wire.encode_request(
+            LogprobsRequest(
+                sequences=[
+                    Sequence(
+                        token_ids=[1, 2],
+                        policy_version=1,
+                        routed_experts=RoutedExperts(ids=_ids(0), start=1),
+                    )
+                ]
+            )
+        )
+    )
+    (plan,) = plan_request(empty, LIMITS)
+    assert plan.routing is None
+    assert routing_rows(RoutedExperts(ids=_ids(1)), 2, "r").shape == (2, 2, 2)
 
 
 def test_routing_needs_a_moe_model_under_the_invariant_numerics():

@@ -68,6 +68,8 @@ def check_routing(
     [0, ``num_experts``). ``InvalidRequest`` names ``parameter`` and the first bad position
     (``start + r``) and layer.
     """
+    if ids.ndim == 3 and ids.shape[0] == 0:
+        return np.zeros(0, dtype=bool)  # no rows: nothing recorded, whatever the inner shape
     if ids.ndim != 3 or ids.shape[1:] != (layers, top_k):
         raise InvalidRequest(
             f"{parameter} must be [rows, {layers} MoE layers, top_k {top_k}], got "
@@ -124,6 +126,8 @@ def routing_rows(record: RoutedExperts, n: int, parameter: str) -> npt.NDArray[n
             f"SGLang return) or {n - 1}",
             parameter=parameter,
         )
+    if not rows:
+        return np.full((n, 0, 0), NO_RECORD, dtype=np.int32)
     out = np.full((n, *ids.shape[1:]), NO_RECORD, dtype=np.int32)
     out[start : start + rows] = ids
     if n:

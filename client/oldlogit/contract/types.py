@@ -189,6 +189,8 @@ def _as_routing_ids(value: Any) -> npt.NDArray[np.int32]:
         raise
     except Exception as exc:
         raise ValueError(f"expected nested lists of integers ({type(exc).__name__})") from exc
+    if arr.ndim == 1 and arr.size == 0:  # no rows (JSON's [] carries no inner shape)
+        arr = arr.reshape(0, 0, 0)
     if arr.ndim != 3:
         raise ValueError(f"expected [rows, layers, top_k] integers, got shape {tuple(arr.shape)}")
     if arr.size and arr.dtype.kind not in "iu":

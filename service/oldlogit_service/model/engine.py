@@ -28,6 +28,7 @@ the sequence's forward (``oldlogit.parity.trace.forward_trace``, the function tr
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -437,7 +438,9 @@ def _group_by_sequence(jobs: Sequence[Job]) -> list[_Group]:
     for i, job in enumerate(jobs):
         ids = job.token_ids.cpu()
         replay = None if job.routing is None else job.routing.cpu().to(torch.int32)
-        key = (ids.numpy().tobytes(), None if replay is None else replay.numpy().tobytes())
+        # A record is large (T × L × k ids): jobs share a forward by its digest.
+        digest = None if replay is None else hashlib.sha256(replay.numpy().tobytes()).digest()
+        key = (ids.numpy().tobytes(), digest)
         if key not in groups:
             groups[key] = _Group(token_ids=ids, job_indices=[], routing=replay)
         groups[key].job_indices.append(i)

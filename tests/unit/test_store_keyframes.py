@@ -1,11 +1,13 @@
-"""Keyframes that follow access (service/oldlogit_service/snapshots/rebuild.py): a keyframe moved
-down its chain keeps every version's bytes and the disk's, and chains stay whole through a
-restart, new publishes and removals; where a keyframe goes; the host buffer pool's reuse."""
+"""Cold versions: keyframes that follow access (service/oldlogit_service/snapshots/rebuild.py): a
+keyframe moved down its chain keeps every version's bytes and the disk's, and chains stay whole
+through a restart, new publishes and removals; where a keyframe goes; the host buffer pool's
+reuse; decoded patches kept within their share of memory (snapshots/tiers.py)."""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,8 +15,9 @@ import torch
 from oldlogit_service.snapshots import SnapshotStore, buffers, persist
 from oldlogit_service.snapshots.rebuild import centroid
 from oldlogit_service.snapshots.registry import Registry
+from oldlogit_service.snapshots.tiers import MemoryCandidate, memory_victim_parts, patch_share
 
-from .test_store_delta import FRACTIONS, assert_all_served, open_store, trace
+from .test_store_delta import FRACTIONS, SNAP, assert_all_served, open_store, trace
 
 
 def ask(s: SnapshotStore, versions: list[int]) -> None:
@@ -155,3 +158,37 @@ def test_moves_and_rebuilds_race_safely(tmp_path: Path) -> None:
         random.Random(0).shuffle(order)
         s.residency.clear()
         assert_all_served(s, {v: ws[v] for v in order})
+
+
+def test_decoded_patches_within_their_share_outlast_weights() -> None:
+    hot = MemoryCandidate(1, 100, last_used=9.0, tick=1, rebuild_cost=4.0, uses=30)
+    old = MemoryCandidate(2, 100, last_used=1.0, tick=2, rebuild_cost=1.0)
+    patches = [
+        MemoryCandidate(10 + i, 10, last_used=2.0 + i, tick=3 + i, rebuild_cost=0.5, part="patch")
+        for i in range(4)
+    ]
+    keep = patch_share(patches, budget=100, share=0.25)  # room for two: the most recent ones
+    assert keep == {12, 13}
+    cands = [hot, old] + [replace(p, protected=p.version in keep) for p in patches]
+    order = [c.version for c in memory_victim_parts(cands, resident=240, incoming=0, budget=0)]
+    assert order[:4] == [2, 10, 11, 1]  # unprotected patches and weights by keep_until
+    assert order[4:] == [12, 13]  # then the protected patches
+
+
+def test_loads_keep_the_patches_they_read(tmp_path: Path) -> None:
+    """A device budget of ~2.3 versions: loads of other versions do not push out the decoded
+    patches every rebuild of the chain reads (within the patch share)."""
+    ws = trace(8, 14, fractions=[0.02])
+    with open_store(tmp_path / "s", keyframe_every=16, device_budget_bytes=int(2.3 * SNAP)) as s:
+        for v, w in enumerate(ws):
+            s.publish(v, w)
+        for v in [7, 6, 7, 5, 7, 6, 4, 7]:
+            with s.acquire(v):
+                pass
+        reads = s.rebuilder.counters["patch_reads"]
+        for v in [7, 6, 5, 7, 4, 6, 7, 5]:
+            s.evict(v)
+            with s.acquire(v):
+                pass
+        assert s.rebuilder.counters["patch_reads"] == reads  # every patch still in memory
+        assert_all_served(s, {v: ws[v] for v in (4, 5, 6, 7)})

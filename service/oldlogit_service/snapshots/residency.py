@@ -11,6 +11,7 @@ to rebuild. Never touches the registry, the disk layout or a patch's contents.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -35,6 +36,7 @@ from oldlogit_service.snapshots.tiers import (
     TierAccount,
     decayed_uses,
     memory_victim_parts,
+    patch_share,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class _Memory:
     patch_key: str = ""  # the patch file's hash: a rewritten record never reads a stale patch
     patch_used: float = 0.0
     patch_tick: int = 0
+    patch_uses: float = 0.0  # rebuilds that applied it, decayed; kept across evictions, as
+    patch_uses_at: float = 0.0  # ``uses``: a patch every rebuild of a hot chain needs stays
     pins: int = 0  # requests holding it (including loads in flight)
     uses: float = 0.0  # requests that used it, decayed (``tiers.decayed_uses``); kept across
     uses_at: float = 0.0  # evictions, so a hot version is known as hot when it comes back
@@ -368,8 +372,14 @@ class Residency:
             m = self._mem.get(version)
             if m is None or m.patch is None or m.patch_key != key:
                 return None
-            m.patch_used, m.patch_tick = self._clock(), next(self._ticks)
+            self._use_patch_locked(m)
             return m.patch
+
+    def _use_patch_locked(self, m: _Memory) -> None:
+        now = self._clock()
+        m.patch_used, m.patch_tick = now, next(self._ticks)
+        m.patch_uses = decayed_uses(m.patch_uses, now - m.patch_uses_at) + 1
+        m.patch_uses_at = now
 
     def forget_patch(self, version: int) -> None:
         """Drop a cached patch that no longer applies (its version was rebased)."""
@@ -395,8 +405,26 @@ class Residency:
                 return False
             tier = self.cpu_tier
             n = item.nbytes
-            me = MemoryCandidate(version, n, self._clock(), 0, cost)
-            colder = [c for c in self._candidates_locked(tier) if c.keep_until < me.keep_until]
+            now = self._clock()
+            if is_patch:  # this use, and the ones before it was evicted
+                uses = decayed_uses(m.patch_uses, now - m.patch_uses_at) + 1
+            else:
+                uses = decayed_uses(m.uses, now - m.uses_at)
+            me = MemoryCandidate(
+                version, n, now, 0, cost, part="patch" if is_patch else "weights", uses=uses
+            )
+            cands = self._candidates_locked(tier)
+            mine = is_patch and version in patch_share(
+                [*(c for c in cands if c.part == "patch"), me], tier.budget
+            )
+            if mine:  # within the patch share: weights nothing waits for make room
+                colder = [
+                    c
+                    for c in cands
+                    if not c.wanted and (not c.protected or c.keep_until < me.keep_until)
+                ]
+            else:
+                colder = [c for c in cands if c.keep_until < me.keep_until and not c.protected]
             room = tier.budget - tier.reserved
             if n > room:
                 return False
@@ -407,7 +435,7 @@ class Residency:
                 self._drop_part_locked(tier, c)
             if isinstance(item, Patch):
                 m.patch, m.patch_key = item, patch_key
-                m.patch_used, m.patch_tick = self._clock(), next(self._ticks)
+                self._use_patch_locked(m)
                 tier.add(n, count=False)
             elif self.host_enabled:
                 m.host = item
@@ -477,8 +505,17 @@ class Residency:
                         m.patch_tick,
                         self._patch_cost(v),
                         part="patch",
+                        uses=decayed_uses(m.patch_uses, now - m.patch_uses_at),
                     )
                 )
+        if patches_here:
+            keep = patch_share((c for c in out if c.part == "patch"), tier.budget)
+            out = [
+                dataclasses.replace(c, protected=True)
+                if c.part == "patch" and c.version in keep
+                else c
+                for c in out
+            ]
         return out
 
     def _drop_part_locked(self, tier: TierAccount, c: MemoryCandidate) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "DEVICE",
     "DISK",
     "HOST",
+    "PATCH_SHARE",
     "REBUILD_WEIGHT_S",
     "DiskCandidate",
     "MemoryCandidate",
@@ -21,6 +22,7 @@ __all__ = [
     "decayed_uses",
     "disk_victims",
     "memory_victim_parts",
+    "patch_share",
     "reuse_factor",
 ]
 
@@ -111,6 +113,9 @@ class MemoryCandidate:
     part: str = "weights"  # or "patch"
     uses: float = 0.0  # recent uses, decayed to now (``decayed_uses``, ``reuse_factor``)
     wanted: bool = False  # queued work needs it: dropped only after every copy nothing needs
+    # A decoded patch within the tier's patch share (``patch_share``): dropped only after the
+    # weights nothing waits for.
+    protected: bool = False
 
     @property
     def keep_until(self) -> float:
@@ -125,18 +130,42 @@ def memory_victim_parts(
     """What to drop, lowest ``keep_until`` first, until ``resident + incoming <= budget``.
 
     Copies that queued work wants go last (dropping one means loading it again before its
-    requests run). On equal keys, the cheapest to bring back goes first (a copy one tier down,
-    then the smaller one).
+    requests run), protected patches just before them. On equal keys, the cheapest to bring
+    back goes first (a copy one tier down, then the smaller one).
     """
     out: list[MemoryCandidate] = []
     order = sorted(
-        candidates, key=lambda c: (c.wanted, c.keep_until, c.rebuild_cost, c.nbytes, c.tick)
+        candidates,
+        key=lambda c: (c.wanted, c.protected, c.keep_until, c.rebuild_cost, c.nbytes, c.tick),
     )
     for c in order:
         if resident + incoming <= budget:
             break
         out.append(c)
         resident -= c.nbytes
+    return out
+
+
+# The share of a memory tier's budget kept for decoded patches: within it, the patches most
+# worth keeping are dropped only after every weights copy nothing waits for. A decoded patch
+# is a few percent of a snapshot and every rebuild through it needs it (reading it back: file,
+# hash, decode, 1-2 snapshot loads' worth), while the LRU credits weights by their requests:
+# without a share, loads of hot versions pushed out the patches every load then read again.
+PATCH_SHARE = 0.25
+
+
+def patch_share(
+    patches: Iterable[MemoryCandidate], budget: int, share: float = PATCH_SHARE
+) -> set[int]:
+    """The versions whose decoded patches are protected: the ones most worth keeping
+    (``keep_until``, latest first) while they fit in ``share`` of ``budget``."""
+    out: set[int] = set()
+    room = share * budget
+    for c in sorted(patches, key=lambda c: (-c.keep_until, c.nbytes, -c.tick)):
+        if c.nbytes > room:
+            break
+        room -= c.nbytes
+        out.add(c.version)
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 
 from benchmarks import (
     delta_trace,
+    invariant,
     models,
     parity,
     peer,
@@ -33,6 +34,7 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "models": models,
     "peer": peer,
     "routing": routing,
+    "invariant": invariant,  # also part of parity; its args and smoke come with parity's
 }
 DEFAULT = [
     "serving",

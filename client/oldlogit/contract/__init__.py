@@ -1,7 +1,8 @@
 """The contract: what the client and the service both hold to, written once for both sides.
 
 Owns the request and response types (``types``), the error tree (``errors``), the HTTP bodies
-(``wire``) and the protobuf conversions (``convert``), the gRPC channel options
+(``wire``) and the protobuf conversions (``convert``), MoE routing records (``routing``: their
+rules, vLLM's and SGLang's layouts), the gRPC channel options
 (``grpc_options``), the numerics a forward depends on (``numerics``), and what both sides
 share about weights: the weight hash, safetensors headers and dtypes (``weights``), the layout
 of names (``layout``), the delta encoding (``delta``) and the safetensors stream writer

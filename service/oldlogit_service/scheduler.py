@@ -5,10 +5,11 @@ resolved with the job's logprobs — or, for a trace job, the stages of its forw
 (``Engine.trace``, run beside the batch under the same weights) — or failed with a mapped error.
 A batch never mixes versions.
 The **load stage** (a thread) looks ahead over the queue and makes the versions the next
-batches need device-resident, holding each until its queued work is done (at most
-``prefetch`` versions ahead, within the device budget); the **compute stage** (another thread)
-runs batches only of versions already held, so a hot version keeps being served while a cold
-one loads. ``pick_batch`` / ``pick_batch_lagging`` / ``pick_load`` are the pure policies,
+batches need device-resident, holding each until its queued work is done (``prefetch``
+versions ahead, and more while the device budget has room for one without evicting anything:
+it never idles while a queued version could come in for free); the **compute stage** (another
+thread) runs batches only of versions already held, so a hot version keeps being served while a
+cold one loads. ``pick_batch`` / ``pick_batch_lagging`` / ``pick_load`` are the pure policies,
 tested with plain deques. A job names its weights by ``WeightsRef``: a store version (the load
 stage makes it resident), or a proxy policy's resident tensors (the EWMA average) named by
 their weight hash.
@@ -116,6 +117,10 @@ class WeightsSource(Protocol):
 
     def resident(self, version: int) -> bool:
         """Device-resident right now (an acquire would not load)."""
+        ...
+
+    def has_room(self) -> bool:
+        """A load now would evict nothing (the device budget has a version's room free)."""
         ...
 
     def acquire(
@@ -334,7 +339,8 @@ class Scheduler:
         prefetch: int = 2,
     ) -> None:
         """``prefetch``: versions the load stage may hold for queued work at once (the batch
-        running and the next ones); bounded by the device budget by its caller.
+        running and the next ones) when loading another would evict something; while the
+        store ``has_room`` it holds one more (bounded by the device budget itself).
         ``strategy="lagging"``: batches in version order, weights from the store's lagging
         model, loaded by the compute stage itself (it advances in place)."""
         self._engine = engine
@@ -471,13 +477,15 @@ class Scheduler:
                         return
                     st = self._state
                     self._release_idle_locked()
+                    # Free room in the budget: bring the next waited-for version in now.
+                    limit = max(self._prefetch, len(st.held) + 1 if self._has_room() else 0)
                     weights, victim = pick_load(
                         st.loadable(),  # type: ignore[arg-type]  # mypy widens K by the return's None
                         held=st.held,
                         running=st.current if st.running else None,
                         now=self._clock(),
                         policy=self._policy,
-                        limit=self._prefetch,
+                        limit=limit,
                         resident=self._resident_locked(),
                         served=st.served,
                     )
@@ -505,6 +513,11 @@ class Scheduler:
                 self._state.held.add(weights)
                 self._state.served.discard(weights)
                 self._cond.notify_all()
+
+    def _has_room(self) -> bool:
+        # Sources that cannot say (a test's fake store) never have room.
+        room = getattr(self._store, "has_room", None)
+        return bool(room()) if room is not None else False
 
     def _resident_locked(self) -> set[WeightsRef]:
         """Queued store versions whose weights are on the device already (held or not)."""

@@ -324,3 +324,45 @@ def test_proxy_weights_run_through_the_same_queue() -> None:
     finally:
         engine.gate.set()
         sched.close()
+
+
+class RoomyStore(FakeStore):
+    """A store whose device budget has room to spare (``has_room``) while ``room`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.room = True
+
+    def has_room(self) -> bool:
+        return self.room
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room: bool) -> None:
+    """A batch computes on version 1; versions 2 and 3 wait. With room in the budget both are
+    loaded meanwhile (past ``prefetch``); without, at most ``prefetch`` versions are held."""
+    engine = FakeEngine()
+    store = RoomyStore()
+    store.room = room
+    sched = Scheduler(
+        engine,  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
+        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0, max_switch_delay_s=60.0),
+        max_queue=100,
+        prefetch=1,
+    )
+    try:
+        engine.gate.clear()  # the batch on version 1 stays in the engine
+        first = sched.submit(WeightsRef.stored(1), job(0))
+        end = time.monotonic() + 5
+        while 1 not in store.held and time.monotonic() < end:
+            time.sleep(0.005)
+        waiting = [sched.submit(WeightsRef.stored(v), job(v)) for v in (2, 3)]
+        time.sleep(0.2)
+        assert sorted(store.held) == ([1, 2, 3] if room else [1])
+        engine.gate.set()
+        assert first.result(5).tolist()[0] == 1000.0
+        assert [f.result(5).tolist()[0] for f in waiting] == [2002.0, 3003.0]
+    finally:
+        engine.gate.set()
+        sched.close()

@@ -192,3 +192,17 @@ def test_loads_keep_the_patches_they_read(tmp_path: Path) -> None:
                 pass
         assert s.rebuilder.counters["patch_reads"] == reads  # every patch still in memory
         assert_all_served(s, {v: ws[v] for v in (4, 5, 6, 7)})
+
+
+def test_has_room_says_whether_a_load_would_evict(tmp_path: Path) -> None:
+    ws = trace(3, 15, fractions=[0.02])
+    with open_store(tmp_path / "s", keyframe_every=1, device_budget_bytes=int(2.5 * SNAP)) as s:
+        s.publish(0, ws[0])
+        with s.acquire(0):
+            assert s.has_room()  # one version resident, room for another
+        s.publish(1, ws[1])
+        with s.acquire(1):
+            pass
+        assert not s.has_room()  # two resident: a third would evict one
+        s.evict(0)
+        assert s.has_room()

@@ -570,6 +570,12 @@ class Residency:
                 return frozenset()
             return frozenset(t for t, r in ((DEVICE, m.device), (HOST, m.host)) if r is not None)
 
+    def has_room(self, nbytes: int) -> bool:
+        """The device tier holds ``nbytes`` more (and a load in flight) within its budget."""
+        with self._lock:
+            t = self.device_tier
+            return t.resident + t.reserved + nbytes <= t.budget
+
     def pins(self, version: int) -> int:
         with self._lock:
             m = self._mem.get(version)

@@ -269,6 +269,10 @@ class SnapshotStore:
         """Device-resident right now: an acquire would not load."""
         return "device" in self.residency.tiers(version)
 
+    def has_room(self) -> bool:
+        """A load now would evict nothing: the device budget has a version's room free."""
+        return self.residency.has_room(self._snapshot_nbytes)
+
     def acquire_lagging(
         self, version: int
     ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:

@@ -77,6 +77,16 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         {"type": float, "help": "a keyframe once a chain's patches exceed this x a keyframe"},
     ),
     (
+        "--fixed-keyframes",
+        {
+            "action": "store_false",
+            "default": None,
+            "dest": "keyframes_follow_access",
+            "help": "keyframes stay where they were stored (default: the sweeper moves one "
+            "down its chain to where rebuilds are asked for)",
+        },
+    ),
+    (
         "--strategy",
         {
             "choices": ["snapshot", "lagging"],

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     # version a keyframe). Both bound what rebuilding a version reads and applies.
     keyframe_every: int = Field(16, ge=1)
     keyframe_chain_fraction: float = Field(0.5, gt=0)
+    # The sweeper moves a keyframe down its chain to where rebuilds are asked for (the same
+    # bytes on disk, shorter chains for the hot versions: docs/delta-snapshots.md); False: a
+    # keyframe stays where the policy put it at publish (--fixed-keyframes).
+    keyframes_follow_access: bool = True
     # snapshot: random access to any retained version; lagging: one resident model advanced
     # version by version, requests served in version order (passed versions: snapshot path).
     strategy: Literal["snapshot", "lagging"] = "snapshot"

@@ -145,6 +145,7 @@ def build_service(settings: Settings) -> Service:
         max_versions=settings.max_versions,
         keyframe_every=1 if clustered else settings.keyframe_every,
         keyframe_chain_fraction=settings.keyframe_chain_fraction,
+        keyframes_follow_access=settings.keyframes_follow_access,
         claim=cluster.claim if cluster is not None else None,
         pinned_elsewhere=cluster.leased_versions if cluster is not None else None,
     )

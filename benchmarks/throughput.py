@@ -103,25 +103,32 @@ def run(args: argparse.Namespace) -> list[Figure]:
     singles = [[rng.randrange(args.vocab) for _ in range(L)] for _ in range(conc)]
     big = [[rng.randrange(args.vocab) for _ in range(args.seq_len)] for _ in range(args.seqs)]
 
+    only = args.versions_only  # versions-vs-naive and its ceiling, nothing else
+
     # forward-roofline.
-    engine = Engine(model, mode="deterministic")
-    jobs = [
-        Job(token_ids=torch.tensor(s), positions=torch.arange(1, len(s)), sampling=SamplingParams())
-        for s in big
-    ]
-    fwd = summary(timed(lambda: engine.run(base, jobs), reps=args.reps))
-    gemm = _gemm_flops()
-    fwd_flops = _forward_flops(model, args.seq_len, args.seqs) / fwd["median_s"]
-    figures.append(
-        Figure(
-            "forward-roofline",
-            "forward FLOP/s ÷ GEMM FLOP/s (fp32)",
-            fwd_flops / gemm,
-            "ratio",
-            ">= 0.6",
-            {"forward_flops_per_s": fwd_flops, "gemm_flops_per_s": gemm, **fwd},
+    if not only:
+        engine = Engine(model, mode="deterministic")
+        jobs = [
+            Job(
+                token_ids=torch.tensor(s),
+                positions=torch.arange(1, len(s)),
+                sampling=SamplingParams(),
+            )
+            for s in big
+        ]
+        fwd = summary(timed(lambda: engine.run(base, jobs), reps=args.reps))
+        gemm = _gemm_flops()
+        fwd_flops = _forward_flops(model, args.seq_len, args.seqs) / fwd["median_s"]
+        figures.append(
+            Figure(
+                "forward-roofline",
+                "forward FLOP/s ÷ GEMM FLOP/s (fp32)",
+                fwd_flops / gemm,
+                "ratio",
+                ">= 0.6",
+                {"forward_flops_per_s": fwd_flops, "gemm_flops_per_s": gemm, **fwd},
+            )
         )
-    )
 
     # The versions of versions-vs-naive, written for the naive server too.
     versions = write_versions(base, root / "versions")
@@ -134,7 +141,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
             mode=mode,
             max_batch_tokens=max(args.seqs * args.seq_len, conc * L),
         )
-        for mode in ("deterministic", "fast")
+        for mode in ((args.versions_mode,) if only else ("deterministic", "fast"))
     }
     try:
         for srv in servers.values():
@@ -149,10 +156,12 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
         # concurrent-vs-naive: 64 concurrent single-sequence clients, one version.
         rounds = args.concurrent_rounds
+        if only:  # the servers warmed up as the full run's concurrent-vs-naive warms them
+            concurrent(conc, lambda i: [naive_one(i) for _ in range(rounds)])
         naive_t = statistics.median(
             [
                 concurrent(conc, lambda i: [naive_one(i) for _ in range(rounds)])
-                for _ in range(args.reps)
+                for _ in range(1 if only else args.reps)
             ]
         )
         naive_tps = conc * rounds * L / naive_t
@@ -165,7 +174,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     clients[i].logprobs(singles[i], policy_version=0, use_cache=False)
 
             concurrent(conc, ours)  # warm-up
-            t = statistics.median([concurrent(conc, ours) for _ in range(args.reps)])
+            t = statistics.median([concurrent(conc, ours) for _ in range(1 if only else args.reps)])
             tps = conc * rounds * L / t
             eng = Engine(models[mode], mode=mode)
             sjobs = [
@@ -180,6 +189,11 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 timed(lambda eng=eng, sjobs=sjobs: eng.run(base, sjobs), reps=args.reps)
             )
             inproc_tps = conc * L / inproc
+            inproc_s[mode] = inproc / conc  # seconds per single sequence, no switches
+            for c in clients:
+                c.close()
+            if only:
+                continue
             figures.append(
                 Figure(
                     "concurrent-vs-naive",
@@ -214,9 +228,6 @@ def run(args: argparse.Namespace) -> list[Figure]:
                     },
                 )
             )
-            inproc_s[mode] = inproc / conc  # seconds per single sequence, no switches
-            for c in clients:
-                c.close()
 
         # versions-vs-naive: 16 versions, Zipf-like toward recent, device budget 4 versions.
         per_client = recent_skewed_requests(rng, args.versions_requests, conc)
@@ -279,6 +290,11 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 {"in_process_s": args.versions_requests * inproc_s[args.versions_mode]},
             )
         )
+
+        if only:
+            for h in http_naive:
+                h.close()
+            return figures
 
         # deterministic-vs-fast: on 64 × 512 through the service.
         seqs = [Sequence(token_ids=s, policy_version=0) for s in big]
@@ -367,6 +383,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--versions-requests", type=int, default=256, help="versions-vs-naive: requests in all"
+    )
+    p.add_argument(
+        "--versions-only",
+        action="store_true",
+        help="throughput: run only versions-vs-naive and its ceiling (its servers, warmed up as "
+        "the full run warms them)",
     )
     p.add_argument(
         "--versions-mode",

@@ -9,10 +9,7 @@ Encoding (shared with the client, ``oldlogit.contract.delta``): positions gap-co
 vectorised passes over the coded bytes, where a zlib'd bitmap, 10-30 % smaller at 1-3 %, costs a
 full-tensor unpack per patch, about 50x slower to decode); values raw in the storage dtype (zlib
 saves ~20 % on bf16 values but decompresses far slower than a rebuild may take). In memory a patch
-is held decoded (uint32 positions, int64 in tensors of 2^32 elements or more, + values), so a
-rebuild is copy + scatter only: a block's positions widened to the index type first (0.15 ns an
-element, where numpy's scatter on uint32 indices converts them itself at 4 ns) — half the memory
-of int64 positions for float32 values, 40 % less for bf16, so memory holds more patches.
+is held decoded (int64 positions + values), so a rebuild is copy + scatter only.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ __all__ = [
     "TensorPatch",
     "apply_torch",
     "check_format",
-    "compact",
     "compose",
     "diff",
     "file_tensors",
@@ -62,21 +58,11 @@ BLOCK_BYTES = 1 << 22
 Bits = npt.NDArray[Any]  # a flat unsigned-int view (uint8/16/32/64) of one tensor's bytes
 
 
-Positions = npt.NDArray[np.uint32] | npt.NDArray[np.int64]
-
-
-def compact(positions: npt.NDArray[Any], numel: int) -> Positions:
-    """Positions in the narrowest type that holds ``numel`` (uint32 below 2^32 elements)."""
-    if numel <= np.iinfo(np.uint32).max:
-        return positions.astype(np.uint32, copy=False)
-    return positions.astype(np.int64, copy=False)
-
-
 @dataclass(frozen=True)
 class TensorPatch:
     """One tensor's changes: ``values`` are bit patterns (uintN); ``positions`` None = all."""
 
-    positions: Positions | None  # [k] ascending flat positions (``compact``)
+    positions: npt.NDArray[np.int64] | None  # [k] ascending flat positions
     values: Bits  # [k], or [numel] when positions is None
 
     @property
@@ -116,7 +102,7 @@ def diff(old: Mapping[str, Bits], new: Mapping[str, Bits]) -> Patch:
         if pos.size == n.size and n.size:
             out[name] = TensorPatch(None, n.copy())
         elif pos.size:
-            out[name] = TensorPatch(compact(pos, n.size), n[pos])
+            out[name] = TensorPatch(pos, n[pos])
     return Patch(out)
 
 
@@ -129,19 +115,16 @@ def compose(first: Patch, second: Patch) -> Patch:
             out[name] = b
         elif a.positions is None:
             values = a.values.copy()
-            values[b.positions.astype(np.intp)] = b.values
+            values[b.positions] = b.values
             out[name] = TensorPatch(None, values)
         else:
-            pos = np.concatenate([a.positions, b.positions]).astype(np.int64)
+            pos = np.concatenate([a.positions, b.positions])
             vals = np.concatenate([a.values, b.values])
             order = np.argsort(pos, kind="stable")  # on a tie, second's entry sorts last
             pos, vals = pos[order], vals[order]
             last = np.ones(pos.size, dtype=bool)
             last[:-1] = pos[1:] != pos[:-1]
-            narrow = a.positions.dtype == np.uint32 and b.positions.dtype == np.uint32
-            out[name] = TensorPatch(
-                pos[last].astype(np.uint32) if narrow else pos[last], vals[last]
-            )
+            out[name] = TensorPatch(pos[last], vals[last])
     return Patch(out)
 
 
@@ -151,7 +134,7 @@ def file_tensors(patch: Patch) -> dict[str, tuple[str, npt.NDArray[Any]]]:
     for name, t in patch.tensors.items():
         out[name + VAL] = ("val", t.values)
         if t.positions is not None:
-            out[name + IDX] = ("idx", encode_positions(t.positions.astype(np.int64)))
+            out[name + IDX] = ("idx", encode_positions(t.positions))
     return out
 
 
@@ -192,7 +175,7 @@ def parse_patch(
             continue
         coded = data[idx.begin : idx.end]
         positions = decode_positions(coded, k, numel, name)
-        out[name] = TensorPatch(compact(positions, numel), values)
+        out[name] = TensorPatch(positions, values)
     return Patch(out)
 
 
@@ -259,8 +242,7 @@ def rebuild(
                     dst[lo:hi] = t.values[lo:hi]
                 elif cut[j + 1] > cut[j]:
                     a, b = cut[j], cut[j + 1]
-                    at = t.positions[a:b].astype(np.intp)  # type: ignore[index]
-                    dst[at] = t.values[a:b]
+                    dst[t.positions[a:b]] = t.values[a:b]  # type: ignore[index]
 
 
 def undo(buf: npt.NDArray[np.uint8], layout: Iterable[TensorEntry], patch: Patch) -> Patch:
@@ -274,7 +256,7 @@ def undo(buf: npt.NDArray[np.uint8], layout: Iterable[TensorEntry], patch: Patch
         if t is None:
             continue
         now = bits_view(buf[e.begin : e.end], _itemsize(e.dtype))
-        values = now.copy() if t.positions is None else now[t.positions.astype(np.intp)]
+        values = now.copy() if t.positions is None else now[t.positions]
         out[e.name] = TensorPatch(t.positions, values)
     return Patch(out)
 
@@ -307,4 +289,4 @@ def apply_torch(tensors: Mapping[str, Any], patches: Sequence[Patch]) -> None:
             if tp.positions is None:
                 flat.copy_(vals)
             else:
-                flat[torch.from_numpy(tp.positions.astype(np.int64)).to(t.device)] = vals
+                flat[torch.from_numpy(tp.positions).to(t.device)] = vals

@@ -112,8 +112,9 @@ def tiled_mm(
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) → [M, N] through tiles of ``tile_rows`` rows.
 
     No autograd. The bias is added by the GEMM itself (``baddbmm``/``addmm``: one pass over
-    the output), the same way on every tile. On CPU the whole tiles run as verified chunks of
-    at most ``CHUNK_ROWS`` rows (``chunk_verified``), the rest as the tiles themselves.
+    the output), the same way on every tile. The rows, the last tile zero-padded, go in chunks
+    of at most ``CHUNK_ROWS``: one GEMM per chunk where that was verified on CPU to give its
+    tiles' bits (``chunk_verified``), the tiles themselves otherwise.
     """
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
@@ -121,51 +122,38 @@ def tiled_mm(
     n_out = weight.shape[0]
     if m == 0:
         return x.new_empty(0, n_out)
-    rows = -(-m // tile_rows) * tile_rows
-    if (
-        rows <= CHUNK_ROWS
-        and x.device.type == "cpu"
-        and chunk_verified(weight, bias, tile_rows, rows)
-    ):  # the common short input: one GEMM over its rows, the last tile zero-padded
-        if rows == m:
-            a = x.contiguous()
-        else:
-            a = x.new_zeros(rows, k)
-            a[:m] = x
-        w_t = weight.t()
-        y = torch.mm(a, w_t) if bias is None else torch.addmm(bias, a, w_t)
-        return y if rows == m else y[:m]
     x = x.contiguous()
     w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
+    cpu = x.device.type == "cpu"
+    rows = -(-m // tile_rows) * tile_rows
+    step = max(tile_rows, CHUNK_ROWS - CHUNK_ROWS % tile_rows)
+
+    def rows_of(start: int, size: int) -> Tensor:  # [size, K], the last tile zero-padded
+        if start + size <= m:
+            return x[start : start + size]
+        part = x.new_zeros(size, k)
+        part[: m - start] = x[start:]
+        return part
+
+    if rows <= step and cpu and chunk_verified(weight, bias, tile_rows, rows):
+        # The common short input: one GEMM, no output to assemble (per-call cost counts here).
+        a = rows_of(0, rows)
+        y = torch.mm(a, w_t) if bias is None else torch.addmm(bias, a, w_t)
+        return y if rows == m else y[:m]
     strategy = tile_strategy(x.device, x.dtype, n_out)
     out = x.new_empty(rows, n_out)  # [rows, N]
-    done = 0  # rows computed in verified chunks
-    if x.device.type == "cpu":
-        whole = m - m % tile_rows  # rows in whole tiles
-        while done < whole:
-            chunk = min(CHUNK_ROWS - CHUNK_ROWS % tile_rows, whole - done)
-            if chunk <= 0 or not (
-                (chunk == tile_rows and strategy == "loop")
-                or chunk_verified(weight, bias, tile_rows, chunk)
-            ):
-                break
-            _gemm(x[done : done + chunk], w_t, bias, out[done : done + chunk])
-            done += chunk
-    if done < m:  # the rest, the last tile zero-padded
-        rest = x[done:]
-        if rows - done != m - done:
-            rest = x.new_zeros(rows - done, k)  # [rest rows, K]
-            rest[: m - done] = x[done:]
-        if (
-            x.device.type == "cpu"
-            and strategy == "bmm"
-            and rows - done <= CHUNK_ROWS
-            and chunk_verified(weight, bias, tile_rows, rows - done)
-        ):  # one GEMM, as verified (a one-tile bmm is slower than the mm that matches it)
-            _gemm(rest, w_t, bias, out[done:])
+    for start in range(0, rows, step):
+        size = min(step, rows - start)
+        part = rows_of(start, size)
+        dst = out[start : start + size]
+        if cpu and (
+            (size == tile_rows and strategy == "loop")
+            or chunk_verified(weight, bias, tile_rows, size)
+        ):
+            _gemm(part, w_t, bias, dst)
         else:
-            _tiles(rest, w_t, bias, out[done:], tile_rows, strategy)
-    return out[:m]
+            _tiles(part, w_t, bias, dst, tile_rows, strategy)
+    return out if rows == m else out[:m]
 
 
 def _tiles(

@@ -57,6 +57,15 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--tile-rows", {"type": int, "help": "rows per GEMM tile of the invariant numerics (64)"}),
     (
+        "--tp-chunks",
+        {
+            "type": int,
+            "help": "the tensor-parallel definition: row-parallel sums and the head's "
+            "log-softmax in N float32 chunks, the same bits at any tensor-parallel degree "
+            "dividing N (8 matches trainers under trainer_numerics(tp_chunks=8); 0: off)",
+        },
+    ),
+    (
         "--device-budget-gib",
         {
             "type": float,

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     # batches; hf: the unpatched transformers forward of each sequence alone.
     numerics: Literal["invariant", "hf"] = "invariant"
     tile_rows: int = Field(DEFAULT_TILE_ROWS, ge=1, le=4096)  # rows per GEMM tile (invariant)
+    # The tensor-parallel definition (invariant only): row-parallel sums and the head's
+    # log-softmax in this many float32 chunks, the same bits at any tensor-parallel degree
+    # dividing it (docs/exactness.md, "Tensor parallelism"); 0: the single-device definition.
+    tp_chunks: int = Field(0, ge=0, le=1024)
     # Retention.
     # None: on a GPU, free device memory at start-up minus activation_headroom_gib (the
     # forward's activations need room too); on CPU, 4 GiB.
@@ -136,6 +140,11 @@ class Settings(BaseSettings):
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError(
                 "--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file"
+            )
+        if self.tp_chunks and self.numerics != "invariant":
+            raise ValueError(
+                f"--tp-chunks {self.tp_chunks} is a definition of the invariant numerics: "
+                "it needs --numerics invariant"
             )
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError(

@@ -452,6 +452,7 @@ class Runtime:
             buffers=dict(spec.buffers),
             buffer_convention=BUFFER_CONVENTION,
             transformers_version=spec.transformers_version,
+            tp_chunks=spec.tp_chunks,
             **weight_layout_info(m.layout),
             moe=self.limits.moe,
         )

@@ -121,6 +121,7 @@ def build_service(settings: Settings) -> Service:
         device=device,
         numerics=settings.numerics,
         tile_rows=settings.tile_rows,
+        tp_chunks=settings.tp_chunks,
     )
     settings.snapshot_dir.mkdir(parents=True, exist_ok=True)
     clustered = settings.redis_url is not None

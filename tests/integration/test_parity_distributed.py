@@ -99,7 +99,7 @@ def test_bitwise_on_every_rank(setup: str, seen: dict[str, list[dict[str, object
         ("fsdp2_fp32", "compute dtype 'float32' here (from parameters (FSDP without param_dtype))"),
         ("fsdp2_fp32", "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.b"),
         ("fsdp2_autocast", "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.b"),
-        ("tp", "tensor parallelism (parallelize_module) is not covered"),
+        ("tp", "tensor parallelism (parallelize_module) needs the tensor-parallel definition"),
     ],
 )
 def test_refused_by_name_on_every_rank(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 __all__ = [
     "BUFFER_CONVENTION",
     "DEFAULT_TILE_ROWS",
+    "DEFAULT_TP_CHUNKS",
     "NUMERICS_REVISION",
     "PROFILES",
     "NumericsMismatch",
@@ -27,6 +28,13 @@ __all__ = [
 # CPU (padding a sequence costs at most 63 rows per matmul) and measured as fast as one plain
 # GEMM for float32 (docs/exactness.md).
 DEFAULT_TILE_ROWS = 64
+
+# The tensor-parallel definition's chunk count (``NumericsSpec.tp_chunks``): a row-parallel
+# matmul's reduction dimension, and the head's vocabulary, are cut into this many chunks whose
+# float32 partial results are combined in one fixed binary-tree order, so the bits are the same
+# at every tensor-parallel degree that divides it (1, 2, 4 and 8 for 8). Part of the numerics:
+# a trainer and the service must use the same count (docs/exactness.md, "Tensor parallelism").
+DEFAULT_TP_CHUNKS = 8
 
 # Bumped whenever oldlogit changes the bits it computes for the same settings (a kernel, an op's
 # blocking, the order of a reduction). Part of the numerics: a trainer and a service on
@@ -74,7 +82,10 @@ class NumericsSpec:
     ``tile_rows`` is None for ``hf``. ``threads`` is the CPU intra-op thread count (on CUDA it
     does not enter the numerics and is reported as 0). ``revision`` is oldlogit's numerics
     revision (0: unknown, an older service); ``torch_version`` the torch build computing them
-    ("": unknown) — kernels change between builds.
+    ("": unknown) — kernels change between builds. ``tp_chunks`` (0: off) selects the
+    tensor-parallel definition (``oldlogit.parity.tensor_parallel``): the same bits at any
+    tensor-parallel degree dividing it, and on CPU at any thread count (each GEMM shape is
+    checked against one thread at first use), so ``threads`` is then reported, not compared.
     """
 
     profile: Profile
@@ -88,6 +99,7 @@ class NumericsSpec:
     torch_version: str = ""
     buffers: tuple[tuple[str, str], ...] = ()
     transformers_version: str = ""
+    tp_chunks: int = 0
 
     @property
     def key(self) -> str:
@@ -101,6 +113,7 @@ class NumericsSpec:
             f"{self.profile}/{self.dtype}/{self.device_kind}/{tiles}/threads={self.threads}/"
             f"{head}/{self.attention or '-'}/rev={self.revision}/torch={self.torch_version or '-'}"
             f"/tf={self.transformers_version or '-'}/buffers={buffers}"
+            + (f"/tp_chunks={self.tp_chunks}" if self.tp_chunks else "")
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,7 +125,7 @@ class NumericsSpec:
         The attention name is not compared: it is derived from the profile on both sides.
         """
         out = []
-        for name in ("profile", "dtype", "device_kind", "tile_rows", "lm_head_fp32"):
+        for name in ("profile", "dtype", "device_kind", "tile_rows", "lm_head_fp32", "tp_chunks"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 out.append(f"{name}: {mine!r} here, {theirs!r} there")
@@ -124,7 +137,8 @@ class NumericsSpec:
         if self.torch_version and other.torch_version and self.torch_version != other.torch_version:
             out.append(f"torch: {self.torch_version} here, {other.torch_version} there")
         cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
-        if cpu and self.threads != other.threads:
+        thread_free = self.tp_chunks > 0 and other.tp_chunks > 0
+        if cpu and not thread_free and self.threads != other.threads:
             out.append(f"threads: {self.threads} here, {other.threads} there")
         if self.buffers and other.buffers:
             mine, theirs = dict(self.buffers), dict(other.buffers)

@@ -515,6 +515,9 @@ class Info(_Model):
     buffers: dict[str, str] = Field(default_factory=dict)
     buffer_convention: str = ""
     transformers_version: str = ""
+    # The tensor-parallel definition's chunk count (0: off; docs/exactness.md, "Tensor
+    # parallelism"): part of the numerics a trainer must match.
+    tp_chunks: int = 0
     # The weights a version holds and the other names they arrive under (docs/trainers.md,
     # "Publishing what a trainer holds"): what ``Client.publish`` maps a trainer's state dict onto.
     weight_specs: dict[str, TensorInfo] = Field(default_factory=dict)
@@ -551,4 +554,5 @@ class Info(_Model):
             torch_version=self.torch_version,
             buffers=tuple(sorted(self.buffers.items())),
             transformers_version=self.transformers_version,
+            tp_chunks=self.tp_chunks,
         )

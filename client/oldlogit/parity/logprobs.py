@@ -44,7 +44,9 @@ PROCESS_ROWS = 64
 PROCESS_BYTES = 8 * 1024**2
 
 
-def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:
+def processed_logprobs(
+    logits_rows: Tensor, targets: Tensor, sampling: SamplingParams, *, tp_chunks: int = 0
+) -> Tensor:
     """Logprob of ``targets`` under the processed distribution of each row.
 
     logits_rows: [S, V] any float dtype; targets: [S] int64 on the same device → [S] float32.
@@ -52,7 +54,9 @@ def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingP
     → top-p (keep a token iff the probability mass strictly before it in the stable descending
     order is < top_p, so the top token is always kept) → log_softmax → gather. A target outside
     the kept support gets −inf, never NaN. Differentiable; a few rows at a time (PROCESS_ROWS,
-    PROCESS_BYTES).
+    PROCESS_BYTES). ``tp_chunks`` > 0: the tensor-parallel definition's log-softmax
+    (``tensor_parallel.processed_logprobs``; under ``tensor_parallel.use`` the rows are this
+    rank's vocabulary slice).
     """
     if not sampling.temperature > 0:
         raise ValueError(f"temperature must be > 0, got {sampling.temperature}")
@@ -62,8 +66,18 @@ def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingP
             f"{list(targets.shape)}"
         )
     step = max(1, min(PROCESS_ROWS, PROCESS_BYTES // (4 * max(1, logits_rows.shape[-1]))))
+    if tp_chunks:
+        from . import tensor_parallel
+
+        def rows_of(lg: Tensor, tg: Tensor) -> Tensor:
+            return tensor_parallel.processed_logprobs(lg, tg, sampling, chunks=tp_chunks)
+    else:
+
+        def rows_of(lg: Tensor, tg: Tensor) -> Tensor:
+            return _processed_rows(lg, tg, sampling)
+
     parts = [
-        _processed_rows(logits_rows[s : s + step], targets[s : s + step], sampling)
+        rows_of(logits_rows[s : s + step], targets[s : s + step])
         for s in range(0, targets.shape[0], step)
     ]
     if not parts:
@@ -72,8 +86,14 @@ def processed_logprobs(logits_rows: Tensor, targets: Tensor, sampling: SamplingP
 
 
 def _processed_rows(logits: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:
-    vocab = logits.shape[-1]
-    x = logits.float()  # [s, V]
+    x = filter_rows(logits.float(), sampling)  # [s, V]
+    logprobs = torch.log_softmax(x, dim=-1)  # [s, V]
+    return logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [s]
+
+
+def filter_rows(x: Tensor, sampling: SamplingParams) -> Tensor:
+    """float32 rows [s, V] → ÷ temperature → top-k → top-p, −inf where a token is removed."""
+    vocab = x.shape[-1]
     if sampling.temperature != 1.0:  # dividing by 1.0 is exact: skipped, the same bits
         x = x / sampling.temperature
     if 0 < sampling.top_k < vocab:
@@ -88,8 +108,7 @@ def _processed_rows(logits: Tensor, targets: Tensor, sampling: SamplingParams) -
         keep_sorted = before < sampling.top_p
         keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [s, V]
         x = x.masked_fill(~keep, float("-inf"))
-    logprobs = torch.log_softmax(x, dim=-1)  # [s, V]
-    return logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [s]
+    return x
 
 
 def _sampling(temperature: float, top_k: int, top_p: float) -> SamplingParams:
@@ -189,6 +208,10 @@ def token_logprobs(
             },
         )
     logits = out.logits if hasattr(out, "logits") else out[0]  # [B, rows, V]
+    patch = active_patch(model)
+    tp_chunks = patch.tp_chunks if patch is not None else 0
+    if tp_chunks:
+        logits = _whole_vocabulary(model, logits)
     # Logits row r is position length - rows + r and predicts the token after it; the scored
     # targets [first, length) are rows lo … lo + Q - 1.
     lo = first - 1 - (length - rows)
@@ -206,13 +229,31 @@ def token_logprobs(
     flat_logits = logits.reshape(batch * rows, vocab)
     lp = torch.zeros(batch * rows, dtype=torch.float32, device=device)
     for a, c in _spans(covered):
-        lp[a:c] = processed_logprobs(flat_logits[a:c], targets[a:c].long(), sampling)
+        lp[a:c] = processed_logprobs(
+            flat_logits[a:c], targets[a:c].long(), sampling, tp_chunks=tp_chunks
+        )
     result = lp.view(batch, rows)[:, lo : lo + width]  # columns: positions [first, length)
     mask = scored[:, first:].to(device)  # [B, Q]
     result = torch.where(mask, result, result.new_zeros(()))
     if logits_to_keep is None:  # aligned with input_ids: position 0 has no prefix
         result = torch.cat([result.new_zeros(batch, 1), result], dim=1)
     return result
+
+
+def _whole_vocabulary(model: nn.Module, logits: Any) -> Tensor:
+    """A tensor-parallel head's logits over the whole vocabulary: a DTensor gathered, a local
+    vocabulary slice (``use_local_output``) gathered over the head weight's mesh; exact."""
+    from . import tensor_parallel
+
+    if hasattr(logits, "full_tensor"):
+        full: Tensor = logits.full_tensor()
+        return full
+    head = unwrap_model(model).get_output_embeddings()  # type: ignore[operator]
+    tp = tensor_parallel.rank_of(head.weight)
+    if tp is None or tp.degree == 1 or int(logits.shape[-1]) == int(head.weight.shape[0]):
+        return logits  # type: ignore[no-any-return]
+    parts = tensor_parallel.gather_parts(logits[None], tp)  # [d, B, rows, V/d]
+    return torch.cat(list(parts.unbind(0)), dim=-1)
 
 
 def replay_routing(

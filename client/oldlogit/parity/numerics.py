@@ -44,12 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 
-from . import attention, routing
+from . import attention, routing, tensor_parallel
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments
 from .ops import TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
@@ -122,7 +123,9 @@ def _tile_mode(patch: NumericsPatch | None, head: nn.Module | None, fp32: bool) 
     try:
         tile_rows = patch.tile_rows if patch is not None else None
         strict = patch.strict if patch is not None else False
-        with TileMode(tile_rows, strict, head, fp32):
+        tp_chunks = patch.tp_chunks if patch is not None else 0
+        tied = patch.tied_head if patch is not None else False
+        with TileMode(tile_rows, strict, head, fp32, tp_chunks, tied):
             yield
     finally:
         _mode_depth.n = 0
@@ -178,6 +181,8 @@ class NumericsPatch:
     _checkpointed: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     device_type: str = "cpu"  # of the last call (autocast is per device type)
     moe: routing.MoeLayout | None = None  # the model's MoE blocks (None: dense)
+    tp_chunks: int = 0  # the tensor-parallel definition's chunk count (0: off)
+    tied_head: bool = False  # the head's weight is the input embedding's (tied)
 
     @contextmanager
     def plain(self) -> Iterator[None]:
@@ -206,6 +211,7 @@ class NumericsPatch:
             lm_head_fp32=self.lm_head_fp32,
             dtype=self.compute.dtype,
             buffers=self._installed[1] if self._installed else None,
+            tp_chunks=self.tp_chunks,
         )
 
     def restore(self) -> None:
@@ -421,6 +427,7 @@ def local_spec(
     lm_head_fp32: bool,
     dtype: torch.dtype | None = None,
     buffers: Mapping[str, Tensor] | None = None,
+    tp_chunks: int = 0,
 ) -> NumericsSpec:
     """The numerics ``model`` runs with in this process: ``dtype`` (default: what its forward
     computes in, ``setups.compute_dtype``), the device of its head, ``buffers`` (default: its
@@ -450,6 +457,7 @@ def local_spec(
         torch_version=str(torch.__version__),
         buffers=buffer_digests(buffers),
         transformers_version=transformers_version(),
+        tp_chunks=tp_chunks,
     )
 
 
@@ -469,6 +477,7 @@ def patch_numerics(
     lm_head_fp32: bool = False,
     strict: bool = True,
     like: NumericsSpec | None = None,
+    tp_chunks: int = 0,
 ) -> NumericsPatch:
     """Put ``model`` under the invariant numerics until ``restore()``; see the module docstring.
 
@@ -477,7 +486,10 @@ def patch_numerics(
     non-weight buffer that differs from this process is refused with ``NumericsMismatch``
     naming it — here, or at the first call when only a ``torch.autocast`` around it can decide
     the dtype. ``strict=False`` runs modules and matmuls oldlogit cannot vouch for, without
-    the guarantee.
+    the guarantee. ``tp_chunks`` > 0 selects the tensor-parallel definition
+    (``tensor_parallel``: the same bits at any tensor-parallel degree dividing it; a model
+    split by torch's ``parallelize_module`` over a 1-D mesh, or the service's ranks); ``like``
+    sets it to the other side's.
     """
     core = unwrap_model(model)
     if not callable(getattr(core, "get_output_embeddings", None)):
@@ -491,6 +503,7 @@ def patch_numerics(
                 "matched by patching a trainer"
             )
         tile_rows, lm_head_fp32 = like.tile_rows, like.lm_head_fp32
+        tp_chunks = like.tp_chunks
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
     if strict:
@@ -503,6 +516,14 @@ def patch_numerics(
     attention.register()
     wrapper = model if model is not core else None
     patch = NumericsPatch(core, tile_rows, lm_head_fp32, strict, wrapper=wrapper, like=like)
+    patch.tp_chunks = int(tp_chunks)
+    if tp_chunks:
+        degree = _tp_degree(core)
+        tensor_parallel.check_degree(core.config, degree, int(tp_chunks))
+        rowwise = tensor_parallel.rowwise_modules(core)
+        embedding = core.get_input_embeddings()  # type: ignore[operator]
+        head_module = core.get_output_embeddings()  # type: ignore[operator]
+        patch.tied_head = getattr(embedding, "weight", None) is getattr(head_module, "weight", 0)
     patch._sharded = sharded_precision(model)
     non_weight = {clean_name(n) for n in reference_buffers(core)}
     for name, module in core.named_modules():
@@ -550,6 +571,9 @@ def patch_numerics(
         return _invariant_call(patch, original, args, kwargs)
 
     _set_forward(core, _eager(forward))
+    if tp_chunks:
+        for module in rowwise.values():
+            _set_forward(module, functools.partial(_row_parallel_forward, module))
     # Activation checkpointing recomputes layers in the backward, outside the model's forward:
     # every checkpoint function the model holds (transformers' per-layer
     # ``_gradient_checkpointing_func``, called from the layer's ``__call__`` or ``forward``
@@ -567,6 +591,23 @@ def patch_numerics(
     setattr(core, _PATCH_ATTR, patch)
     patch._restore.append(lambda: delattr(core, _PATCH_ATTR))
     return patch
+
+
+def _tp_degree(core: nn.Module) -> int:
+    """The tensor-parallel degree the model's weights are split at (1: none, or the service's
+    ranks, whose plain shard tensors are bound at each call)."""
+    for param in core.parameters():
+        tp = tensor_parallel.rank_of(param)
+        if tp is not None:
+            return tp.degree
+    return 1
+
+
+def _row_parallel_forward(module: nn.Linear, x: Any) -> Any:
+    """A row-parallel linear's forward: ``F.linear`` marked row-parallel, so the numerics'
+    torch-function mode computes it by the tensor-parallel definition."""
+    with tensor_parallel.row_parallel():
+        return F.linear(x, module.weight, module.bias)
 
 
 def _is_checkpoint_layer(module: nn.Module) -> bool:
@@ -697,10 +738,16 @@ def trainer_numerics(
     lm_head_fp32: bool = False,
     strict: bool = True,
     like: NumericsSpec | None = None,
+    tp_chunks: int = 0,
 ) -> Iterator[NumericsPatch]:
     """``patch_numerics`` for the duration of a ``with`` block (also usable as a decorator)."""
     patch = patch_numerics(
-        model, tile_rows=tile_rows, lm_head_fp32=lm_head_fp32, strict=strict, like=like
+        model,
+        tile_rows=tile_rows,
+        lm_head_fp32=lm_head_fp32,
+        strict=strict,
+        like=like,
+        tp_chunks=tp_chunks,
     )
     try:
         yield patch

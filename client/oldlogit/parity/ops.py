@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from . import attention, routing
+from . import attention, routing, tensor_parallel
 from .attention import InvariantNumericsError
 from .tiles import tiled_linear
 
@@ -221,9 +221,17 @@ class TileMode(TorchFunctionMode):
     nothing but the head's dtype when ``fp32`` asks for it."""
 
     def __init__(
-        self, tile_rows: int | None, strict: bool, head: nn.Module | None, fp32: bool
+        self,
+        tile_rows: int | None,
+        strict: bool,
+        head: nn.Module | None,
+        fp32: bool,
+        tp_chunks: int = 0,
+        tied_head: bool = False,
     ) -> None:
         super().__init__()
+        self.tp_chunks = tp_chunks
+        self.tied_head = tied_head  # the head's weight is the (replicated) embedding's
         self.tile_rows = tile_rows
         self.strict = strict
         # The head module, not its weight: under ``functional_call`` the weight it holds is
@@ -243,13 +251,23 @@ class TileMode(TorchFunctionMode):
             x: Tensor = args[0] if len(args) > 0 else kwargs["input"]
             weight: Tensor = args[1] if len(args) > 1 else kwargs["weight"]
             bias: Tensor | None = args[2] if len(args) > 2 else kwargs.get("bias")
-            if self.head_fp32 and weight is getattr(self.head, "weight", None):
+            head_call = weight is getattr(self.head, "weight", None)
+            if self.head_fp32 and head_call:
                 # fp32 head: hidden states and head weight cast before the projection.
                 x = x.float()
                 weight = weight.float()
                 bias = None if bias is None else bias.float()
             if self.tile_rows is None:
                 return F.linear(x, weight, bias)
+            if self.tp_chunks:  # the tensor-parallel definition (any degree, DTensor or not)
+                return tensor_parallel.linear(
+                    x,
+                    weight,
+                    bias,
+                    chunks=self.tp_chunks,
+                    tile_rows=self.tile_rows,
+                    whole=head_call and self.tied_head,
+                )
             if type(weight).__name__ == "DTensor":
                 # FSDP gathers its shards before a layer computes; a weight still sharded here
                 # is tensor parallelism: its row-parallel sums cross ranks in an order the
@@ -257,8 +275,9 @@ class TileMode(TorchFunctionMode):
                 raise InvariantNumericsError(
                     f"F.linear on a DTensor weight {list(weight.shape)} placed "
                     f"{tuple(getattr(weight, 'placements', ()))}: tensor parallelism "
-                    "(parallelize_module) is not covered by oldlogit's numerics yet; score with "
-                    "a data-parallel copy of the model (DDP/FSDP), or without trainer_numerics"
+                    "(parallelize_module) needs the tensor-parallel definition: "
+                    "trainer_numerics(model, tp_chunks=8), or like= a service started with "
+                    "--tp-chunks 8"
                 )
             return tiled_linear(x, weight, bias, tile_rows=self.tile_rows)
         if self.tile_rows is None:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from oldlogit.contract.numerics import SamplingParams
 
 from .logprobs import _call, processed_logprobs
-from .numerics import unwrap_model
+from .numerics import active_patch, unwrap_model
 from .setups import clean_name
 
 __all__ = ["MAX_TRACE_TOKENS", "TraceStage", "describe_stage", "first_divergence", "forward_trace"]
@@ -138,7 +138,13 @@ def forward_trace(
             h.remove()
     logits = out.logits if hasattr(out, "logits") else out[0]  # [1, N, V]
     with torch.no_grad():
-        lp = processed_logprobs(logits[0, :-1], input_ids[0, 1:].long(), sampling)  # [N-1]
+        patch = active_patch(model)
+        lp = processed_logprobs(  # [N-1]
+            logits[0, :-1],
+            input_ids[0, 1:].long(),
+            sampling,
+            tp_chunks=patch.tp_chunks if patch is not None else 0,
+        )
     stages.append(_digest("logprobs", [lp]))
     return stages
 

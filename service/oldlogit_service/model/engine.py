@@ -328,7 +328,10 @@ class Engine:
                     lo, hi = max(a, run_start), min(b_end, run_end)
                     if hi > lo:
                         result[lo:hi] = processed_logprobs(
-                            chunk[lo - a : hi - a], all_targets[lo:hi], sampling
+                            chunk[lo - a : hi - a],
+                            all_targets[lo:hi],
+                            sampling,
+                            tp_chunks=self.model.tp_chunks,
                         )
         for i, seg_start, seg_len in segments:
             outs[i] = result[seg_start : seg_start + seg_len]

@@ -142,6 +142,7 @@ class LoadedModel:
     # every forward is batch-invariant; "hf": the unpatched transformers forward.
     profile: Profile = "hf"
     tile_rows: int | None = None
+    tp_chunks: int = 0  # the tensor-parallel definition's chunk count (0: off)
 
     @property
     def dtype_name(self) -> str:
@@ -161,6 +162,7 @@ class LoadedModel:
             torch_version=torch.__version__,
             buffers=buffer_digests(reference_buffers(self.module)),
             transformers_version=transformers_version(),
+            tp_chunks=self.tp_chunks,
         )
 
     def moe_info(self) -> MoeInfo | None:
@@ -226,11 +228,13 @@ def model_from_config(
     backend: ModelBackend | None = None,
     numerics: Profile = "invariant",
     tile_rows: int = DEFAULT_TILE_ROWS,
+    tp_chunks: int = 0,
 ) -> LoadedModel:
     """Build the skeleton for ``config`` and describe it (see ``load_model``).
 
     ``numerics="invariant"`` patches the skeleton for good with ``oldlogit.parity``'s
-    batch-invariant forward (``tile_rows`` rows per GEMM tile); it needs a transformers model.
+    batch-invariant forward (``tile_rows`` rows per GEMM tile; ``tp_chunks`` > 0: its
+    tensor-parallel definition); it needs a transformers model.
     """
     backend = backend if backend is not None else TransformersBackend()
     if numerics not in ("invariant", "hf"):
@@ -279,7 +283,8 @@ def model_from_config(
         from oldlogit.parity import patch_numerics
 
         try:
-            patch_numerics(module, tile_rows=tile_rows, strict=True)  # for its lifetime
+            # For its lifetime.
+            patch_numerics(module, tile_rows=tile_rows, strict=True, tp_chunks=tp_chunks)
         except (TypeError, RuntimeError, ValueError) as exc:
             raise UnsupportedModel(
                 f"cannot serve {name} with the invariant numerics: {_one_line(exc)}"
@@ -308,6 +313,7 @@ def model_from_config(
         attn_implementation=getattr(getattr(module, "config", None), "_attn_implementation", None),
         profile=numerics,
         tile_rows=tile_rows if numerics == "invariant" else None,
+        tp_chunks=tp_chunks if numerics == "invariant" else 0,
     )
 
 
@@ -348,6 +354,7 @@ def load_model(
     backend: ModelBackend | None = None,
     numerics: Profile = "invariant",
     tile_rows: int = DEFAULT_TILE_ROWS,
+    tp_chunks: int = 0,
 ) -> LoadedModel:
     """The skeleton for an HF-format directory's config.json (weights are not read here)."""
     config_path = Path(model_dir) / "config.json"
@@ -360,7 +367,13 @@ def load_model(
     if not isinstance(config, dict):
         raise UnsupportedModel(f"{config_path} does not hold a JSON object")
     loaded = model_from_config(
-        config, dtype=dtype, device=device, backend=backend, numerics=numerics, tile_rows=tile_rows
+        config,
+        dtype=dtype,
+        device=device,
+        backend=backend,
+        numerics=numerics,
+        tile_rows=tile_rows,
+        tp_chunks=tp_chunks,
     )
     logger.info(
         "model %s (%s): %d parameters, %s on %s, %s numerics",

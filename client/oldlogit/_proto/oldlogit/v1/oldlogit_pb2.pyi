@@ -1100,6 +1100,7 @@ class Info(_message.Message):
     BUFFER_CONVENTION_FIELD_NUMBER: _builtins.int
     TRANSFORMERS_VERSION_FIELD_NUMBER: _builtins.int
     MOE_FIELD_NUMBER: _builtins.int
+    TP_CHUNKS_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -1146,6 +1147,10 @@ class Info(_message.Message):
     """
     transformers_version: _builtins.str
     """The transformers release whose modeling code computes the forward."""
+    tp_chunks: _builtins.int
+    """The tensor-parallel definition's chunk count (0: the single-device definition): the bits
+    are the same at every tensor-parallel degree dividing it and at any CPU thread count.
+    """
     @_builtins.property
     def limits(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Request limits by name, e.g. "max_batch_tokens"."""
@@ -1215,10 +1220,11 @@ class Info(_message.Message):
         buffer_convention: _builtins.str = ...,
         transformers_version: _builtins.str = ...,
         moe: Global___MoeInfo | None = ...,
+        tp_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "moe", b"moe", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015

@@ -1,0 +1,143 @@
+"""The tensor-parallel definition (``tp_chunks=8``): the same bits at TP 1, 2 and 4.
+
+Each rank (tests/integration/tp_worker.py, one gloo process per rank, one CPU thread each)
+computes π with a trainer split by torch's ``parallelize_module`` (head output replicated, and
+left split per rank) and with the service's engine on its weight shards under
+``tensor_parallel.use``. This process computes the same at TP 1 with two threads: the trainer
+unsplit under ``trainer_numerics(tp_chunks=8)`` and the engine on whole weights. Every scored
+token is bitwise equal across all of them, raw and processed (temperature, top-k, top-p); the
+TP trainer's backward reaches every parameter. TP 4 runs under the ``slow`` marker.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from oldlogit.parity import token_logprobs, trainer_numerics
+from tests.integration import tp_worker
+
+REPO = Path(__file__).resolve().parents[2]
+DTYPE = "bfloat16"
+
+
+def _model_dir(root: Path, tied: bool) -> Path:
+    torch.manual_seed(3)
+    config = transformers.Qwen2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    path = root / ("tied" if tied else "untied")
+    path.mkdir()
+    config.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp_models")
+    return {"untied": _model_dir(root, False), "tied": _model_dir(root, True)}
+
+
+def _run_ranks(world: int, models: dict[str, Path], tmp: Path) -> list[dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp / f"rank{rank}.pt"
+        outs.append(out)
+        cmd = [sys.executable, "-m", "tests.integration.tp_worker", str(rank), str(world)]
+        cmd += [str(tmp / "init"), str(models["untied"]), DTYPE, str(out), str(models["tied"])]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank hung:\n{p.communicate()[0][-3000:]}")
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def single(models: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """TP 1 in this process (the suite's thread count): trainer and engine."""
+    from oldlogit.parity import tensor_parallel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        models["untied"], dtype=torch.bfloat16
+    )
+    vocab = int(model.config.vocab_size)
+    ids, mask = tp_worker.left_padded(tp_worker.samples(vocab))
+    with trainer_numerics(model, tp_chunks=8), torch.no_grad():
+        raw = token_logprobs(model, ids, mask)
+        processed = token_logprobs(model, ids, mask, **tp_worker.PROCESSED)
+    whole = tensor_parallel.TensorParallel()
+    seen = {"trainer.raw": raw, "trainer.processed": processed}
+    seen["engine"] = tp_worker.engine_logprobs(str(models["untied"]), DTYPE, whole)["engine"]
+    seen["engine_tied"] = tp_worker.engine_logprobs(str(models["tied"]), DTYPE, whole)["engine"]
+    return seen
+
+
+def _trainer_as_engine(seen: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """The trainer's [B, T] left-padded logprobs as the engine's flat per-job answers."""
+    raw, processed = seen[f"{key}.raw"], seen[f"{key}.processed"]
+    width = raw.shape[1]
+    parts = []
+    for table in (raw, processed):
+        for i, seq in enumerate(tp_worker.samples(512)):
+            parts.append(table[i, width - len(seq) + 1 :])
+    return torch.cat(parts)
+
+
+def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None:
+    assert torch.isfinite(single["trainer.raw"]).all()
+    assert torch.isinf(single["trainer.processed"]).any()  # top-k/top-p removed some targets
+    # TP 1: the engine is the trainer.
+    assert torch.equal(single["engine"], _trainer_as_engine(single, "trainer"))
+    for seen in ranks:
+        for key in ("trainer", "trainer_local_head"):
+            assert torch.equal(seen[f"{key}.raw"], single["trainer.raw"]), key
+            assert torch.equal(seen[f"{key}.processed"], single["trainer.processed"]), key
+            grads, params = seen[f"{key}.grads"].tolist()
+            assert grads == params, f"{key}: {grads} of {params} parameters got a gradient"
+        assert torch.equal(seen["engine"], single["engine"])
+        assert torch.equal(seen["engine_tied"], single["engine_tied"])
+
+
+def test_tp2_bitwise_with_tp1(
+    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    _check(_run_ranks(2, models, tmp_path), single)
+
+
+@pytest.mark.slow
+def test_tp4_bitwise_with_tp1(
+    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    _check(_run_ranks(4, models, tmp_path), single)

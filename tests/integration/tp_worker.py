@@ -1,0 +1,145 @@
+"""One rank of tests/integration/test_tensor_parallel_numerics.py (run as a process per rank).
+
+``python -m tests.integration.tp_worker RANK WORLD INIT_FILE MODEL_DIR DTYPE OUT TIED_DIR``: joins a
+gloo group of WORLD ranks (one CPU thread each) and, on this rank's shard of the same weights,
+computes under the tensor-parallel definition (``tp_chunks=8``):
+- ``trainer``: the model split by torch's ``parallelize_module`` over a 1-D device mesh (the
+  vocabulary-split embedding, column-parallel q/k/v, gate/up and head, row-parallel o/down:
+  torchtitan's plan) under ``trainer_numerics(model, tp_chunks=8)``: ``token_logprobs`` of a
+  left-padded batch, raw and processed (temperature, top-k, top-p), then a backward;
+  ``trainer_local_head``: the same with the head's output left split (``use_local_output``:
+  each rank holds its vocabulary slice of the logits);
+- ``engine``: the service's engine on the skeleton with this rank's shards
+  (``tensor_parallel.shard_rules`` / ``shard_weight``) under ``tensor_parallel.use``;
+  ``engine_tied``: that for TIED_DIR's model, whose head is its (replicated) embedding.
+Writes OUT (``torch.save``): the logprobs of each, and whether every parameter got a gradient.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TOKENS = ((3, 17, 40, 41, 64, 70), 9)  # sequence lengths, seed
+
+
+def samples(vocab: int) -> list[torch.Tensor]:
+    lengths, seed = TOKENS
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+
+
+def left_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = s
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+PROCESSED: dict[str, Any] = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
+
+
+def trainer_logprobs(model: torch.nn.Module, vocab: int) -> dict[str, torch.Tensor]:
+    """Raw and processed π of the samples, then a backward of their sum."""
+    from oldlogit.parity import token_logprobs, trainer_numerics
+
+    ids, mask = left_padded(samples(vocab))
+    with trainer_numerics(model, tp_chunks=8):
+        with torch.no_grad():
+            raw = token_logprobs(model, ids, mask)
+            processed = token_logprobs(model, ids, mask, **PROCESSED)
+        model.zero_grad()
+        again = token_logprobs(model, ids, mask)
+        again.sum().backward()
+    grads = sum(p.grad is not None for p in model.parameters())
+    params = sum(1 for _ in model.parameters())
+    assert torch.equal(again.detach(), raw), "the graph-recording forward gave other bits"
+    return {"raw": raw, "processed": processed, "grads": torch.tensor([grads, params])}
+
+
+def engine_logprobs(model_dir: str, dtype: str, tp: Any) -> dict[str, torch.Tensor]:
+    """The service's engine on this rank's shards: every sample, raw and processed."""
+    from safetensors.torch import load_file
+
+    from oldlogit.parity import SamplingParams, tensor_parallel
+    from oldlogit_service.model.engine import Engine, Job
+    from oldlogit_service.model.loaded import load_model
+
+    loaded = load_model(model_dir, dtype=dtype, device="cpu", tp_chunks=8)
+    full = load_file(str(Path(model_dir) / "model.safetensors"))
+    rules = tensor_parallel.shard_rules(loaded.module)
+    shard = {
+        name: tensor_parallel.shard_weight(name, full[name].to(loaded.dtype), tp.rank, tp.degree, rules)
+        for name in loaded.param_specs
+    }
+    jobs = []
+    for sampling in (SamplingParams(), SamplingParams(**PROCESSED)):
+        for seq in samples(loaded.vocab_size):
+            jobs.append(Job(seq, torch.arange(1, len(seq)), sampling))
+    with tensor_parallel.use(tp):
+        out = Engine(loaded).run(shard, jobs)
+    return {"engine": torch.cat(out)}
+
+
+def build_trainer(model_dir: str, dtype: str, mesh: Any, local_head: bool) -> torch.nn.Module:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)
+        if local_head
+        else ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[p + name] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        plan[p + "mlp.gate_proj"] = ColwiseParallel()
+        plan[p + "mlp.up_proj"] = ColwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    model.train()
+    return model
+
+
+def main(argv: list[str]) -> None:
+    rank, world, init_file, model_dir, dtype, out, tied_dir = argv
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=int(rank), world_size=int(world)
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from oldlogit.parity import tensor_parallel
+
+    mesh = init_device_mesh("cpu", (int(world),))
+    tp = tensor_parallel.TensorParallel(dist.group.WORLD, int(rank), int(world))
+    seen: dict[str, Any] = {}
+    vocab = int(build_trainer(model_dir, dtype, mesh, False).config.vocab_size)
+    for key, local_head in (("trainer", False), ("trainer_local_head", True)):
+        got = trainer_logprobs(build_trainer(model_dir, dtype, mesh, local_head), vocab)
+        seen.update({f"{key}.{k}": v for k, v in got.items()})
+    seen.update(engine_logprobs(model_dir, dtype, tp))
+    seen["engine_tied"] = engine_logprobs(tied_dir, dtype, tp)["engine"]
+    torch.save(seen, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -141,3 +141,45 @@ def test_tp4_bitwise_with_tp1(
     models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     _check(_run_ranks(4, models, tmp_path), single)
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_service_tp1_is_the_tp_trainer(
+    transport: str,
+    models: dict[str, Path],
+    single: dict[str, torch.Tensor],
+    tmp_path: Path,
+) -> None:
+    """A service started with --tp-chunks 8 answers the TP trainer's bits (the ranks above
+    equal ``single``), says so in /v1/info, and a trainer adopting its spec (``like=``) gets
+    the tensor-parallel definition."""
+    import numpy as np
+
+    from oldlogit import Client, Sequence
+    from tests.integration.conftest import start_served
+
+    served = start_served(tmp_path, models["untied"], tp_chunks=8)
+    try:
+        url = served.server.http_url if transport == "http" else served.server.grpc_url
+        with Client(url, timeout_s=60) as client:
+            info = client.info()
+            spec = info.numerics_spec()
+            seqs = [
+                Sequence(token_ids=s.numpy(), policy_version=0, score_from=1)
+                for s in tp_worker.samples(512)
+            ]
+            raw = client.logprobs_batch(seqs, use_cache=False)
+            processed = client.logprobs_batch(seqs, use_cache=False, **tp_worker.PROCESSED)
+    finally:
+        served.server.stop()
+    assert info.tp_chunks == 8 and spec.tp_chunks == 8 and "tp_chunks=8" in spec.key
+    got = np.concatenate([r.logprobs[1:] for r in [*raw, *processed]])
+    want = _trainer_as_engine(single, "trainer").numpy()
+    assert np.array_equal(got, want)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        models["untied"], dtype=torch.bfloat16
+    )
+    ids, mask = tp_worker.left_padded(tp_worker.samples(512))
+    with trainer_numerics(model, like=spec) as patch, torch.no_grad():
+        assert patch.tp_chunks == 8
+        assert torch.equal(token_logprobs(model, ids, mask), single["trainer.raw"])

@@ -6,7 +6,9 @@ left split per rank) and with the service's engine on its weight shards under
 ``tensor_parallel.use``. This process computes the same at TP 1 with two threads: the trainer
 unsplit under ``trainer_numerics(tp_chunks=8)`` and the engine on whole weights. Every scored
 token is bitwise equal across all of them, raw and processed (temperature, top-k, top-p); the
-TP trainer's backward reaches every parameter. TP 4 runs under the ``slow`` marker.
+TP trainer's backward reaches every parameter; after a step, the TP trainer publishes from its
+DTensor shards and its π equals the ``--tp-chunks 8`` service's answer for that version (and
+the service over HTTP and gRPC equals the TP 1 trainer). TP 4 runs under the ``slow`` marker.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from safetensors.torch import save_file
 
 from oldlogit.parity import token_logprobs, trainer_numerics
 from tests.integration import tp_worker
+from tests.integration.conftest import Served, start_served
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPE = "bfloat16"
@@ -58,7 +62,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"untied": _model_dir(root, False), "tied": _model_dir(root, True)}
 
 
-def _run_ranks(world: int, models: dict[str, Path], tmp: Path) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def service(
+    tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]
+) -> Iterator[Served]:
+    """A ``--tp-chunks 8`` service of the untied model (one device)."""
+    served = start_served(tmp_path_factory.mktemp("tp_service"), models["untied"], tp_chunks=8)
+    yield served
+    served.server.stop()
+
+
+def _run_ranks(
+    world: int, models: dict[str, Path], tmp: Path, service: Served
+) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs, outs = [], []
     for rank in range(world):
@@ -66,6 +82,7 @@ def _run_ranks(world: int, models: dict[str, Path], tmp: Path) -> list[dict[str,
         outs.append(out)
         cmd = [sys.executable, "-m", "tests.integration.tp_worker", str(rank), str(world)]
         cmd += [str(tmp / "init"), str(models["untied"]), DTYPE, str(out), str(models["tied"])]
+        cmd += [service.server.http_url]
         procs.append(
             subprocess.Popen(
                 cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -128,27 +145,26 @@ def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None
             assert grads == params, f"{key}: {grads} of {params} parameters got a gradient"
         assert torch.equal(seen["engine"], single["engine"])
         assert torch.equal(seen["engine_tied"], single["engine_tied"])
+        equal, total = seen["served"].tolist()
+        assert total > 200 and equal == total, f"{equal} of {total} tokens equal the service's"
 
 
 def test_tp2_bitwise_with_tp1(
-    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path
+    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path, service: Served
 ) -> None:
-    _check(_run_ranks(2, models, tmp_path), single)
+    _check(_run_ranks(2, models, tmp_path, service), single)
 
 
 @pytest.mark.slow
 def test_tp4_bitwise_with_tp1(
-    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path
+    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path, service: Served
 ) -> None:
-    _check(_run_ranks(4, models, tmp_path), single)
+    _check(_run_ranks(4, models, tmp_path, service), single)
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_service_tp1_is_the_tp_trainer(
-    transport: str,
-    models: dict[str, Path],
-    single: dict[str, torch.Tensor],
-    tmp_path: Path,
+    transport: str, models: dict[str, Path], single: dict[str, torch.Tensor], service: Served
 ) -> None:
     """A service started with --tp-chunks 8 answers the TP trainer's bits (the ranks above
     equal ``single``), says so in /v1/info, and a trainer adopting its spec (``like=``) gets
@@ -156,22 +172,17 @@ def test_service_tp1_is_the_tp_trainer(
     import numpy as np
 
     from oldlogit import Client, Sequence
-    from tests.integration.conftest import start_served
 
-    served = start_served(tmp_path, models["untied"], tp_chunks=8)
-    try:
-        url = served.server.http_url if transport == "http" else served.server.grpc_url
-        with Client(url, timeout_s=60) as client:
-            info = client.info()
-            spec = info.numerics_spec()
-            seqs = [
-                Sequence(token_ids=s.numpy(), policy_version=0, score_from=1)
-                for s in tp_worker.samples(512)
-            ]
-            raw = client.logprobs_batch(seqs, use_cache=False)
-            processed = client.logprobs_batch(seqs, use_cache=False, **tp_worker.PROCESSED)
-    finally:
-        served.server.stop()
+    url = service.server.http_url if transport == "http" else service.server.grpc_url
+    with Client(url, timeout_s=60) as client:
+        info = client.info()
+        spec = info.numerics_spec()
+        seqs = [
+            Sequence(token_ids=s.numpy(), policy_version=0, score_from=1)
+            for s in tp_worker.samples(512)
+        ]
+        raw = client.logprobs_batch(seqs, use_cache=False)
+        processed = client.logprobs_batch(seqs, use_cache=False, **tp_worker.PROCESSED)
     assert info.tp_chunks == 8 and spec.tp_chunks == 8 and "tp_chunks=8" in spec.key
     got = np.concatenate([r.logprobs[1:] for r in [*raw, *processed]])
     want = _trainer_as_engine(single, "trainer").numpy()

@@ -66,6 +66,24 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
+        "--tensor-parallel",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "one replica over N ranks (gloo on CPU, NCCL on CUDA: one GPU each), each "
+            "holding 1/N of every version; this process serves HTTP/gRPC and starts the "
+            "others; bitwise equal to 1 at the same --tp-chunks (8 unless given)",
+        },
+    ),
+    (
+        "--rank-timeout-s",
+        {
+            "type": float,
+            "help": "how long a tensor-parallel rank may take to join, and the longest a "
+            "collective waits (120)",
+        },
+    ),
+    (
         "--device-budget-gib",
         {
             "type": float,
@@ -282,8 +300,10 @@ def _serve(args: argparse.Namespace) -> int:
             )
 
     from oldlogit import OldLogitError
+    from oldlogit.parity.tensor_parallel import TensorParallelError
     from oldlogit_service.model.engine import NumericsCheckFailed
     from oldlogit_service.model.loaded import UnsupportedModel
+    from oldlogit_service.ranks.launch import RankJoinError
 
     started = False
 
@@ -298,6 +318,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"oldlogit serve: {exc}; start with --numerics hf to serve anyway", file=sys.stderr)
         return 2
     except UnsupportedModel as exc:  # one line naming the architecture, no traceback
+        print(f"oldlogit serve: {exc}", file=sys.stderr)
+        return 2
+    except (RankJoinError, TensorParallelError) as exc:  # names the rank or the setting
         print(f"oldlogit serve: {exc}", file=sys.stderr)
         return 2
     except OldLogitError as exc:

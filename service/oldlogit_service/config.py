@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from oldlogit.contract.numerics import DEFAULT_TP_CHUNKS
 from oldlogit.parity import DEFAULT_TILE_ROWS
 
 GIB = 1024**3
@@ -55,6 +56,12 @@ class Settings(BaseSettings):
     # log-softmax in this many float32 chunks, the same bits at any tensor-parallel degree
     # dividing it (docs/exactness.md, "Tensor parallelism"); 0: the single-device definition.
     tp_chunks: int = Field(0, ge=0, le=1024)
+    # One replica over this many ranks (torch.distributed; gloo on CPU, NCCL on CUDA), each
+    # holding 1/N of every resident version; needs tp_chunks > 0 (8 when not given). Rank 0
+    # serves HTTP/gRPC and starts the others (docs/operations.md, "Tensor parallel serving").
+    tensor_parallel: int = Field(1, ge=1, le=64)
+    # How long a rank may take to join at start-up, and the longest a collective may wait.
+    rank_timeout_s: float = Field(120.0, gt=0)
     # Retention.
     # None: on a GPU, free device memory at start-up minus activation_headroom_gib (the
     # forward's activations need room too); on CPU, 4 GiB.
@@ -117,6 +124,16 @@ class Settings(BaseSettings):
         # OLDLOGIT_TLS_CLIENT_CA_FILE="" (a compose default) means "not set", not the cwd.
         return None if value == "" else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tensor_parallel_chunks(cls, data: Any) -> Any:
+        # --tensor-parallel N > 1 runs the tensor-parallel definition: tp_chunks 8 unless given.
+        if isinstance(data, dict):
+            tp = data.get("tensor_parallel", 1)
+            if data.get("tp_chunks") is None and str(tp).strip() not in ("", "1"):
+                data = {**data, "tp_chunks": DEFAULT_TP_CHUNKS}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.model is None and not self.demo:
@@ -141,6 +158,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 "--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file"
             )
+        if self.tensor_parallel > 1:
+            self._check_tensor_parallel()
         if self.tp_chunks and self.numerics != "invariant":
             raise ValueError(
                 f"--tp-chunks {self.tp_chunks} is a definition of the invariant numerics: "
@@ -151,6 +170,27 @@ class Settings(BaseSettings):
                 "float16 on CPU is slow and poorly supported: use --dtype bfloat16 or float32"
             )
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel
+        if self.numerics != "invariant":
+            raise ValueError(
+                f"--tensor-parallel {n} runs the tensor-parallel definition of the invariant "
+                f"numerics: --numerics {self.numerics} cannot be split over ranks"
+            )
+        if self.tp_chunks == 0:
+            raise ValueError(
+                f"--tensor-parallel {n} needs --tp-chunks > 0 (the definition that gives the same "
+                "bits at every degree; leave it unset for 8)"
+            )
+        refused = {
+            "--redis-url (scale-out)": self.redis_url is not None,
+            "--strategy lagging": self.strategy == "lagging",
+            "--ewma-beta": self.ewma_beta is not None,
+        }
+        for flag, given in refused.items():
+            if given:
+                raise ValueError(f"{flag} is not served with --tensor-parallel {n}: drop one")
 
     def device_budget_bytes(self, device: Any) -> int:
         """The device tier's budget on ``device`` (a ``torch.device``; see the setting)."""

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +59,14 @@ from oldlogit_service.validate import Limits, SequencePlan, check_trace, plan_re
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class RanksView(Protocol):
+    """A tensor-parallel replica's ranks, as the data plane sees them."""
+
+    def problem(self) -> str | None:
+        """Why the replica cannot serve (names the lost rank); None while every rank is up."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class Runtime:
         history: History,
         ewma: EwmaProxy | None = None,
         fast_deviation: float | None = None,
+        ranks: RanksView | None = None,
     ) -> None:
         self.settings = settings
         # Fast mode under the plain numerics: max |fast − exact| measured at start-up.
@@ -127,6 +136,9 @@ class Runtime:
                 "--mode fast is an alias of deterministic under the invariant numerics: packed "
                 "batches are exact and batched (--numerics hf --mode fast pads, inexactly)"
             )
+        # A tensor-parallel replica's ranks: why they cannot serve (a lost rank), each rank's
+        # memory (``/v1/info``); None on one device.
+        self.ranks = ranks
         self._ready = True
         self._draining = False
         self.metrics.attach_state(self.state)
@@ -134,7 +146,19 @@ class Runtime:
     # -- lifecycle -----------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self._ready and not self._draining
+        return self._ready and not self._draining and self.not_ready_reason is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why this replica cannot serve, when a part of it is lost (a tensor-parallel rank)."""
+        return self.ranks.problem() if self.ranks is not None else None
+
+    def _check_serving(self) -> None:
+        if self._draining:
+            raise Unavailable("the service is draining for shutdown", retry_after_s=1.0)
+        why = self.not_ready_reason
+        if why is not None:
+            raise Unavailable(f"this replica cannot serve: {why}", retry_after_s=5.0)
 
     def start_draining(self) -> None:
         """Not-ready first (load balancers stop sending), then the caller drains and stops."""
@@ -173,8 +197,7 @@ class Runtime:
 
     # -- logprobs ------------------------------------------------------------------------
     async def logprobs(self, req: LogprobsRequest) -> LogprobsResponse:
-        if self._draining:
-            raise Unavailable("the service is draining for shutdown", retry_after_s=1.0)
+        self._check_serving()
         if req.proxy is not None and self.ewma is None:
             raise InvalidRequest(
                 f"proxy={req.proxy!r} is not enabled on this deployment: start the service "
@@ -337,8 +360,7 @@ class Runtime:
         here on the skeleton with the version's weights, so the first stage whose digests
         differ is where the two forwards part ways. A job of the version's queue like any
         other (scheduler → ``Engine.trace``); never cached."""
-        if self._draining:
-            raise Unavailable("the service is draining for shutdown", retry_after_s=1.0)
+        self._check_serving()
         check_trace(req, self.limits, MAX_TRACE_TOKENS)
         version = req.policy_version
         if not self.store.has(version):  # published elsewhere: adopt it

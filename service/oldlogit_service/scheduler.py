@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's 
     from typing_extensions import TypeIs
 
     from oldlogit.parity.trace import TraceStage
-    from oldlogit_service.model.engine import Engine, Job
+    from oldlogit_service.model.engine import Job, Scored
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,17 @@ class WeightsRef:
         if self.version is None:
             raise ValueError(f"{self!r} is not a store version")
         return self.version
+
+
+class Forward(Protocol):
+    """What the compute stage runs batches on: ``model.engine.Engine``, or one spread over
+    tensor-parallel ranks (``ranks.front.ShardedEngine``)."""
+
+    def run(self, weights: Mapping[str, torch.Tensor], jobs: list[Job]) -> list[torch.Tensor]: ...
+
+    def score(self, weights: Mapping[str, torch.Tensor], jobs: list[Job]) -> list[Scored]: ...
+
+    def trace(self, weights: Mapping[str, torch.Tensor], job: Job) -> list[TraceStage]: ...
 
 
 class WeightsSource(Protocol):
@@ -288,7 +299,7 @@ class _NullObserver:
         pass
 
 
-def _score(engine: Engine, weights: Mapping[str, torch.Tensor], jobs: list[Job]) -> list[Result]:
+def _score(engine: Forward, weights: Mapping[str, torch.Tensor], jobs: list[Job]) -> list[Result]:
     """One batch's answers: logprobs, with the routing for the jobs that record it."""
     if not any(job.record_routing for job in jobs):
         return [out.numpy() for out in engine.run(weights, jobs)]
@@ -328,7 +339,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Forward,
         store: WeightsSource,
         *,
         policy: BatchPolicy,

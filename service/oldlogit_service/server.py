@@ -54,6 +54,7 @@ from oldlogit_service.model.loaded import (
     resolve_device,
 )
 from oldlogit_service.publishing.intake import Intake
+from oldlogit_service.ranks.replica import Replica, open_replica
 from oldlogit_service.runtime import Runtime
 from oldlogit_service.scheduler import BatchPolicy, Scheduler
 from oldlogit_service.snapshots import SnapshotStore
@@ -72,6 +73,7 @@ class Service:
     intake: Intake
     auth: Auth
     control: Control
+    replica: Replica | None = None  # --tensor-parallel N: the other ranks, closed last
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -99,6 +101,8 @@ class Service:
                 logger.warning("the sweeper did not stop within 10 s")
         self.runtime.close()
         self.control.stop()
+        if self.replica is not None:
+            self.replica.close()
 
 
 def build_service(settings: Settings) -> Service:
@@ -115,13 +119,20 @@ def build_service(settings: Settings) -> Service:
     else:
         assert settings.model is not None
         model_dir = settings.model
-    model = load_model(
-        model_dir,
-        dtype=dtype,
-        device=device,
-        numerics=settings.numerics,
-        tile_rows=settings.tile_rows,
-        tp_chunks=settings.tp_chunks,
+    # --tensor-parallel N: ranks 1..N-1 start here and join; the store is the front's, whose
+    # versions land on every rank (ranks/).
+    replica = open_replica(settings, model_dir, device) if settings.tensor_parallel > 1 else None
+    model = (
+        replica.model
+        if replica is not None
+        else load_model(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            numerics=settings.numerics,
+            tile_rows=settings.tile_rows,
+            tp_chunks=settings.tp_chunks,
+        )
     )
     settings.snapshot_dir.mkdir(parents=True, exist_ok=True)
     clustered = settings.redis_url is not None
@@ -136,19 +147,23 @@ def build_service(settings: Settings) -> Service:
         if settings.redis_url is not None
         else None
     )
-    store = SnapshotStore(
-        root,
-        param_specs=model.param_specs,
-        device=device,
-        device_budget_bytes=settings.device_budget_bytes(device),
-        host_budget_bytes=settings.host_budget_bytes,
-        disk_budget_bytes=settings.disk_budget_bytes,
-        max_versions=settings.max_versions,
-        keyframe_every=1 if clustered else settings.keyframe_every,
-        keyframe_chain_fraction=settings.keyframe_chain_fraction,
-        keyframes_follow_access=settings.keyframes_follow_access,
-        claim=cluster.claim if cluster is not None else None,
-        pinned_elsewhere=cluster.leased_versions if cluster is not None else None,
+    store = (
+        replica.store
+        if replica is not None
+        else SnapshotStore(
+            root,
+            param_specs=model.param_specs,
+            device=device,
+            device_budget_bytes=settings.device_budget_bytes(device),
+            host_budget_bytes=settings.host_budget_bytes,
+            disk_budget_bytes=settings.disk_budget_bytes,
+            max_versions=settings.max_versions,
+            keyframe_every=1 if clustered else settings.keyframe_every,
+            keyframe_chain_fraction=settings.keyframe_chain_fraction,
+            keyframes_follow_access=settings.keyframes_follow_access,
+            claim=cluster.claim if cluster is not None else None,
+            pinned_elsewhere=cluster.leased_versions if cluster is not None else None,
+        )
     )
     control: Control = cluster.bind(store) if cluster is not None else LocalControl(store)
     if not store.versions() and store.newest is None:
@@ -166,7 +181,9 @@ def build_service(settings: Settings) -> Service:
         max_batch_tokens=settings.max_batch_tokens,
     )
     fast_deviation = None
-    if model.profile == "invariant":
+    if replica is not None:
+        replica.self_check()
+    elif model.profile == "invariant":
         _check_numerics(engine, store, model)
     elif settings.mode == "fast":
         fast_deviation = _measure_fast_mode(engine, store, model)
@@ -181,8 +198,8 @@ def build_service(settings: Settings) -> Service:
         ewma.catch_up(store)  # versions published before (or while it was off)
     metrics = Metrics()
     scheduler = Scheduler(
-        engine,
-        store,
+        replica.engine if replica is not None else engine,
+        replica.front if replica is not None else store,
         policy=BatchPolicy(
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_s=settings.max_wait_ms / 1000.0,
@@ -211,9 +228,10 @@ def build_service(settings: Settings) -> Service:
         history=History(),
         ewma=ewma,
         fast_deviation=fast_deviation,
+        ranks=replica.front.health if replica is not None else None,
     )
     intake = Intake(settings, model, store, metrics, ewma=ewma)
-    return Service(settings, runtime, intake, Auth(settings), control)
+    return Service(settings, runtime, intake, Auth(settings), control, replica)
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -270,6 +288,13 @@ def _measure_fast_mode(engine: Engine, store: SnapshotStore, model: LoadedModel)
         time.perf_counter() - start,
     )
     return worst
+
+
+async def _watch_ready(rt: Runtime, health: Any) -> None:
+    """gRPC health follows ``/readyz`` when a part of the replica can be lost (a rank)."""
+    while rt.not_ready_reason is None:
+        await asyncio.sleep(0.5)
+    await health.set_not_serving()
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -373,6 +398,7 @@ async def serve(
         rt, svc.intake, svc.auth, settings.host, settings.grpc_port, tls
     )
     sampler = asyncio.create_task(sample_forever(rt.history, rt.metrics.registry))
+    watcher = asyncio.create_task(_watch_ready(rt, health)) if rt.ranks is not None else None
     reloader = (
         asyncio.create_task(_reload_tls(tls, settings.tls_reload_interval_s, reload_now))
         if tls is not None
@@ -412,6 +438,8 @@ async def serve(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, timeout=settings.drain_timeout_s + 5)
         sampler.cancel()
+        if watcher is not None:
+            watcher.cancel()
         if reloader is not None:
             reloader.cancel()
         svc.close()

@@ -142,7 +142,9 @@ def _add_probes(app: FastAPI, rt: Runtime) -> None:
     async def readyz() -> JSONResponse:
         if rt.ready:
             return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "not ready"}, status_code=503)
+        why = rt.not_ready_reason  # e.g. which tensor-parallel rank is lost
+        body = {"status": "not ready", **({"reason": why} if why else {})}
+        return JSONResponse(body, status_code=503)
 
 
 def create_health_app(rt: Runtime) -> FastAPI:

@@ -63,9 +63,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def service(
-    tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]
-) -> Iterator[Served]:
+def service(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -> Iterator[Served]:
     """A ``--tp-chunks 8`` service of the untied model (one device)."""
     served = start_served(tmp_path_factory.mktemp("tp_service"), models["untied"], tp_chunks=8)
     yield served

@@ -1,8 +1,8 @@
 """One rank of tests/integration/test_tensor_parallel_numerics.py (run as a process per rank).
 
-``python -m tests.integration.tp_worker RANK WORLD INIT_FILE MODEL_DIR DTYPE OUT TIED_DIR URL``: joins a
-gloo group of WORLD ranks (one CPU thread each) and, on this rank's shard of the same weights,
-computes under the tensor-parallel definition (``tp_chunks=8``):
+``python -m tests.integration.tp_worker RANK WORLD INIT_FILE MODEL_DIR DTYPE OUT TIED_DIR URL``:
+joins a gloo group of WORLD ranks (one CPU thread each) and, on this rank's shard of the same
+weights, computes under the tensor-parallel definition (``tp_chunks=8``):
 - ``trainer``: the model split by torch's ``parallelize_module`` over a 1-D device mesh (the
   vocabulary-split embedding, column-parallel q/k/v, gate/up and head, row-parallel o/down:
   torchtitan's plan) under ``trainer_numerics(model, tp_chunks=8)``: ``token_logprobs`` of a
@@ -13,8 +13,9 @@ computes under the tensor-parallel definition (``tp_chunks=8``):
   (``tensor_parallel.shard_rules`` / ``shard_weight``) under ``tensor_parallel.use``;
   ``engine_tied``: that for TIED_DIR's model, whose head is its (replicated) embedding;
 - ``served``: the TP trainer takes an optimizer-like step, publishes its TP-sharded DTensor
-  state from every rank (``publish_sharded``) as version 20 + WORLD to the ``--tp-chunks 8`` service at
-  URL, and compares its own π (under ``like=`` the service's spec) with the service's answer.
+  state from every rank (``publish_sharded``) as version 20 + WORLD to the ``--tp-chunks 8``
+  service at URL, and compares its own π (under ``like=`` the service's spec) with the
+  service's answer.
 Writes OUT (``torch.save``): the logprobs of each, and whether every parameter got a gradient.
 """
 
@@ -112,7 +113,9 @@ def engine_logprobs(model_dir: str, dtype: str, tp: Any) -> dict[str, torch.Tens
     full = load_file(str(Path(model_dir) / "model.safetensors"))
     rules = tensor_parallel.shard_rules(loaded.module)
     shard = {
-        name: tensor_parallel.shard_weight(name, full[name].to(loaded.dtype), tp.rank, tp.degree, rules)
+        name: tensor_parallel.shard_weight(
+            name, full[name].to(loaded.dtype), tp.rank, tp.degree, rules
+        )
         for name in loaded.param_specs
     }
     jobs = []

@@ -108,9 +108,7 @@ def test_one_device_definition_is_batch_invariant(dtype: torch.dtype) -> None:
         batch = token_logprobs(model, ids, mask)
         alone = token_logprobs(model, ids[1:2, 30:])
         sampled = token_logprobs(model, ids, mask, temperature=0.8, top_k=30, top_p=0.95)
-        sampled_alone = token_logprobs(
-            model, ids[2:3], temperature=0.8, top_k=30, top_p=0.95
-        )
+        sampled_alone = token_logprobs(model, ids[2:3], temperature=0.8, top_k=30, top_p=0.95)
     assert torch.equal(batch[1, 30:], alone[0])
     assert torch.equal(sampled[2], sampled_alone[0])
     with trainer_numerics(model) as patch, torch.no_grad():

@@ -61,12 +61,12 @@ __all__ = [
     "TensorParallel",
     "TensorParallelError",
     "active",
-    "linear",
-    "row_parallel",
     "check_degree",
     "column_linear",
+    "linear",
     "processed_logprobs",
     "row_linear",
+    "row_parallel",
     "rowwise_modules",
     "shard_rules",
     "shard_weight",
@@ -478,8 +478,11 @@ def row_linear(
     w32 = weight.float()  # [N, K/d]
     partials = torch.stack(
         [
-            tiled_linear(x2[:, c * width : (c + 1) * width], w32[:, c * width : (c + 1) * width],
-                         tile_rows=tile_rows)
+            tiled_linear(
+                x2[:, c * width : (c + 1) * width],
+                w32[:, c * width : (c + 1) * width],
+                tile_rows=tile_rows,
+            )
             for c in range(local_chunks)
         ]
     )  # [C/d, M, N] float32
@@ -506,7 +509,8 @@ def _chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
         if e.shape[-1] <= SUM_BLOCK:
             total = e.sum(dim=-1)
         else:
-            total = tree_sum(torch.stack([b.sum(dim=-1) for b in e.split(SUM_BLOCK, dim=-1)]))
+            blocks = torch.split(e, SUM_BLOCK, dim=-1)
+            total = tree_sum(torch.stack([b.sum(dim=-1) for b in blocks]))
         maxes.append(m)
         sums.append(total)
     return torch.stack(maxes), torch.stack(sums)
@@ -584,7 +588,7 @@ def rank_of(weight: Any) -> TensorParallel | None:
 
 
 def placement_of(weight: Any) -> Placement | None:
-    """"colwise" (Shard(0)) or "rowwise" (Shard(1)) for a DTensor linear weight; None for a
+    """ "colwise" (Shard(0)) or "rowwise" (Shard(1)) for a DTensor linear weight; None for a
     plain or replicated one."""
     for p in getattr(weight, "placements", ()):
         dim = getattr(p, "dim", None)

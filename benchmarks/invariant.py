@@ -37,14 +37,12 @@ def _plain_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
-def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
-    from transformers import AutoModelForCausalLM
-
-    from oldlogit.parity import token_logprobs, trainer_numerics
+def models(args: argparse.Namespace, root: Path) -> dict[str, Path]:
+    """The figure's two model directories: "fp32" (small) and "bf16" (0.5B layer shapes)."""
     from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     h, v = args.invariant_small
-    models = {
+    return {
         "fp32": make_tiny_model_dir(
             root / "inv-fp32",
             arch="qwen2",
@@ -70,13 +68,24 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
             **args.invariant_bf16_shape,
         ),
     }
-    shapes = [(1, 128), (16, 128), (4, 512)] if not args.smoke else [(1, 32), (4, 32)]
+
+
+def shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """batch × tokens rows of the table."""
+    return [(1, 128), (16, 128), (4, 512)] if not args.smoke else [(1, 32), (4, 32)]
+
+
+def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
+    from transformers import AutoModelForCausalLM
+
+    from oldlogit.parity import token_logprobs, trainer_numerics
+
     figures = []
-    for label, model_dir in models.items():
+    for label, model_dir in models(args, root).items():
         dtype = torch.float32 if label == "fp32" else torch.bfloat16
         model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
         vocab = int(model.config.vocab_size)
-        for batch, tokens in shapes:
+        for batch, tokens in shapes(args):
             ids = torch.randint(
                 0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0)
             )

@@ -18,6 +18,7 @@ from benchmarks import (
     routing,
     serving,
     soak,
+    tensor_parallel,
     throughput,
     tls,
 )
@@ -35,6 +36,7 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "peer": peer,
     "routing": routing,
     "invariant": invariant,  # also part of parity; its args and smoke come with parity's
+    "tp": tensor_parallel,  # invariant's models, args and smoke; TP N vs 1 servers
 }
 DEFAULT = [
     "serving",
@@ -44,7 +46,7 @@ DEFAULT = [
     "pipeline",
     "tls",
 ]  # the soak and the real-size models run for minutes, peer starts Ray, routing is for MoE
-# replay: ask for them by name
+# replay, tp for tensor parallelism: ask for them by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     models.add_args(p)
     peer.add_args(p)
     routing.add_args(p)
+    tensor_parallel.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(SUITES))
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         models.smoke(args)
         peer.smoke(args)
         routing.smoke(args)
+        tensor_parallel.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
     figures = []
     for name in args.figures:

@@ -34,6 +34,7 @@ from oldlogit.contract.types import (
     LeaseInfo,
     LogprobsRequest,
     LogprobsResponse,
+    RankInfo,
     RoutedExperts,
     SequenceResult,
     Trace,
@@ -64,8 +65,15 @@ T = TypeVar("T")
 class RanksView(Protocol):
     """A tensor-parallel replica's ranks, as the data plane sees them."""
 
+    @property
+    def degree(self) -> int: ...
+
     def problem(self) -> str | None:
         """Why the replica cannot serve (names the lost rank); None while every rank is up."""
+        ...
+
+    def rank_infos(self) -> list[RankInfo]:
+        """Each rank's process, device, threads and bytes (asks every rank)."""
         ...
 
 
@@ -475,9 +483,20 @@ class Runtime:
             buffer_convention=BUFFER_CONVENTION,
             transformers_version=spec.transformers_version,
             tp_chunks=spec.tp_chunks,
+            tensor_parallel=self.ranks.degree if self.ranks is not None else 1,
+            ranks=self._rank_infos(),
             **weight_layout_info(m.layout),
             moe=self.limits.moe,
         )
+
+    def _rank_infos(self) -> list[RankInfo]:
+        """Each rank's part (empty on one device, and once a rank is lost: nobody to ask)."""
+        if self.ranks is None or self.ranks.problem() is not None:
+            return []
+        try:
+            return self.ranks.rank_infos()
+        except Unavailable:
+            return []
 
     async def metrics_text(self) -> bytes:
         """``/metrics``: the collector reads the store's and the cache's state (locks, maybe

@@ -228,7 +228,7 @@ def build_service(settings: Settings) -> Service:
         history=History(),
         ewma=ewma,
         fast_deviation=fast_deviation,
-        ranks=replica.front.health if replica is not None else None,
+        ranks=replica.front if replica is not None else None,
     )
     intake = Intake(settings, model, store, metrics, ewma=ewma)
     return Service(settings, runtime, intake, Auth(settings), control, replica)

@@ -40,6 +40,7 @@ __all__ = [
     "MoeInfo",
     "OpenSession",
     "PublishResult",
+    "RankInfo",
     "RoutedExperts",
     "RoutingIds",
     "Sampling",
@@ -483,6 +484,21 @@ class MoeInfo(_Model):
     num_hidden_layers: int = 0  # decoder layers (vLLM's and SGLang's layer dimension)
 
 
+class RankInfo(_Model):
+    """One tensor-parallel rank of a replica (``Info.ranks``): its process, device and CPU
+    threads, and the bytes of its part of the versions per tier."""
+
+    rank: int
+    pid: int = 0
+    device: str = ""
+    threads: int = 0
+    device_bytes: int = 0
+    device_budget_bytes: int = 0
+    device_versions: int = 0
+    host_bytes: int = 0
+    disk_bytes: int = 0
+
+
 class Info(_Model):
     model_type: str  # e.g. "qwen2"
     architecture: str  # e.g. "Qwen2ForCausalLM"
@@ -518,6 +534,9 @@ class Info(_Model):
     # The tensor-parallel definition's chunk count (0: off; docs/exactness.md, "Tensor
     # parallelism"): part of the numerics a trainer must match.
     tp_chunks: int = 0
+    # The ranks of this replica (``--tensor-parallel``; 1 on one device) and each one's part.
+    tensor_parallel: int = 1
+    ranks: list[RankInfo] = Field(default_factory=list)
     # The weights a version holds and the other names they arrive under (docs/trainers.md,
     # "Publishing what a trainer holds"): what ``Client.publish`` maps a trainer's state dict onto.
     weight_specs: dict[str, TensorInfo] = Field(default_factory=dict)

@@ -217,7 +217,7 @@ class Follower:
                                 self.engine.trace(weights, job)
                 except Exception as exc:
                     # The same jobs fail the same way on the front, which answers them.
-                    logger.debug("rank %d: %s failed: %s", self.rank, op, exc)
+                    logger.warning("rank %d: %s failed: %s", self.rank, op, exc)
 
 
 def rank_stats(store: SnapshotStore) -> dict[str, int]:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from oldlogit.contract.errors import OldLogitError, Unavailable
+from oldlogit.contract.types import RankInfo
 from oldlogit.parity.tensor_parallel import ShardRules, TensorParallel, use
 from oldlogit.parity.trace import TraceStage
 from oldlogit_service.model.engine import Engine, Job, Scored
@@ -53,14 +54,6 @@ class RankWeights(Mapping[str, Tensor]):
 
     def __len__(self) -> int:
         return len(self._tensors)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    pid: int
-    device: str
-    stats: dict[str, int]
 
 
 class Front:
@@ -162,24 +155,33 @@ class Front:
             held = mine if held is None else held & mine
         return held or set()
 
+    def problem(self) -> str | None:
+        """Why the replica cannot serve (a lost rank, named); None while every rank is up."""
+        return self.health.problem()
+
     def rank_infos(self) -> list[RankInfo]:
-        """Each rank's memory and disk (``/v1/info``, metrics)."""
+        """Each rank's process, device, threads and the bytes of its parts (``/v1/info``)."""
         replies = self._command("stats", local=lambda: rank_stats(self.store))
         pids = {r: p.pid or 0 for r, p in self.health.procs.items()}
-        import os
-
         pids[0] = os.getpid()
         out = []
         for rank, r in enumerate(replies):
+            stats = dict(r.raise_for(rank))
             out.append(
                 RankInfo(
-                    rank,
-                    pids.get(rank, 0),
-                    str(shards.rank_device(self.device, rank)),
-                    dict(r.raise_for(rank)),
+                    rank=rank,
+                    pid=pids.get(rank, 0),
+                    device=str(shards.rank_device(self.device, rank)),
+                    threads=self.threads,
+                    **{k: v for k, v in stats.items() if k in RankInfo.model_fields},
                 )
             )
         return out
+
+    def rank_stats(self) -> list[dict[str, int]]:
+        """Each rank's raw counters, in rank order (tests, benchmarks)."""
+        replies = self._command("stats", local=lambda: rank_stats(self.store))
+        return [dict(r.raise_for(rank)) for rank, r in enumerate(replies)]
 
     # -- the scheduler's weights source (``scheduler.WeightsSource``) ------------------------
     def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:

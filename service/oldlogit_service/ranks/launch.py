@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 HEARTBEAT_S = 0.5  # how often a follower says it is alive
 HUNG_AFTER_S = 15.0  # a rank silent this long is taken as hung
+COMMAND_TIMEOUT_S = 1800.0  # the longest a command's collective waits for a live rank
 
 
 class RankJoinError(RuntimeError):
@@ -80,9 +81,14 @@ def join(
         timeout=timeout,
     )
     backend = "nccl" if device.type == "cuda" else "gloo"
-    work = dist.new_group(backend="gloo", timeout=timeout)
+    # A command waits for the slowest rank's part of it (a load may queue behind admission);
+    # a lost rank fails the wait at once through ``Health``, not through this timeout.
+    commands = datetime.timedelta(seconds=max(timeout_s, COMMAND_TIMEOUT_S))
+    control = dist.new_group(backend="gloo", timeout=commands)
+    work = dist.new_group(backend="gloo", timeout=commands)
+    # Inside a forward every rank computes the same thing: a collective waits only for skew.
     tp = dist.new_group(backend=backend, timeout=timeout)
-    return Groups(dist.group.WORLD, work, tp, backend)
+    return Groups(control, work, tp, backend)
 
 
 def heartbeat(beats: Any, rank: int, stop: threading.Event) -> None:

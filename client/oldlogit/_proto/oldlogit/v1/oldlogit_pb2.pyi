@@ -1101,6 +1101,8 @@ class Info(_message.Message):
     TRANSFORMERS_VERSION_FIELD_NUMBER: _builtins.int
     MOE_FIELD_NUMBER: _builtins.int
     TP_CHUNKS_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -1151,6 +1153,8 @@ class Info(_message.Message):
     """The tensor-parallel definition's chunk count (0: the single-device definition): the bits
     are the same at every tensor-parallel degree dividing it and at any CPU thread count.
     """
+    tensor_parallel: _builtins.int
+    """Ranks of this replica (--tensor-parallel; 1 on one device)."""
     @_builtins.property
     def limits(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Request limits by name, e.g. "max_batch_tokens"."""
@@ -1188,6 +1192,10 @@ class Info(_message.Message):
     def moe(self) -> Global___MoeInfo:
         """Mixture-of-experts models: the routing a RoutedExperts record describes; unset: dense."""
 
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankInfo]:
+        """Each rank's process, device, threads and part of the versions (empty on one device)."""
+
     def __init__(
         self,
         *,
@@ -1221,10 +1229,12 @@ class Info(_message.Message):
         transformers_version: _builtins.str = ...,
         moe: Global___MoeInfo | None = ...,
         tp_chunks: _builtins.int = ...,
+        tensor_parallel: _builtins.int = ...,
+        ranks: _abc.Iterable[Global___RankInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "moe", b"moe", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "server_version", b"server_version", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_revision", b"numerics_revision", "ranks", b"ranks", "server_version", b"server_version", "tensor_parallel", b"tensor_parallel", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015
@@ -1240,6 +1250,60 @@ class Info(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__watermark) -> _WhichOneofReturnType__watermark | None: ...
 
 Global___Info: _TypeAlias = Info  # noqa: Y015
+
+@_typing.final
+class RankInfo(_message.Message):
+    """One tensor-parallel rank of a replica: where it runs and its part of the versions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    THREADS_FIELD_NUMBER: _builtins.int
+    DEVICE_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_VERSIONS_FIELD_NUMBER: _builtins.int
+    HOST_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_BYTES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """The rank (0: the front, which serves HTTP and gRPC)."""
+    pid: _builtins.int
+    """Its process id."""
+    device: _builtins.str
+    """e.g. "cpu", "cuda:1"."""
+    threads: _builtins.int
+    """CPU intra-op threads of this rank (the machine's split over the ranks)."""
+    device_bytes: _builtins.int
+    """Bytes of version parts resident on the device."""
+    device_budget_bytes: _builtins.int
+    """The rank's device budget (the replica's divided by the ranks on CPU)."""
+    device_versions: _builtins.int
+    """Versions whose part is resident on the device."""
+    host_bytes: _builtins.int
+    """Bytes of version parts in the host tier."""
+    disk_bytes: _builtins.int
+    """Bytes of this rank's part files on disk."""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        device: _builtins.str = ...,
+        threads: _builtins.int = ...,
+        device_bytes: _builtins.int = ...,
+        device_budget_bytes: _builtins.int = ...,
+        device_versions: _builtins.int = ...,
+        host_bytes: _builtins.int = ...,
+        disk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "device_budget_bytes", b"device_budget_bytes", "device_bytes", b"device_bytes", "device_versions", b"device_versions", "disk_bytes", b"disk_bytes", "host_bytes", b"host_bytes", "pid", b"pid", "rank", b"rank", "threads", b"threads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankInfo: _TypeAlias = RankInfo  # noqa: Y015
 
 @_typing.final
 class MoeInfo(_message.Message):

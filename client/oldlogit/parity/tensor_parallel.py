@@ -334,12 +334,14 @@ def check_degree(config: Any, degree: int, chunks: int) -> None:
 # ---------------------------------------------------------------------------- the definition
 
 
-def tree_sum(parts: Tensor) -> Tensor:
+def tree_sum(parts: Tensor, *, inplace: bool = False) -> Tensor:
     """parts [n, ...] → [...]: pairwise sums in one fixed binary tree (an odd count carries its
-    last part up a level). Elementwise adds only: exact the same at any size or thread count."""
+    last part up a level). Elementwise adds only: exact the same at any size or thread count.
+    ``inplace``: the sums overwrite ``parts`` (no graph; the same adds)."""
     while parts.shape[0] > 1:
         n = parts.shape[0]
-        paired = parts[0 : n - n % 2 : 2] + parts[1 : n - n % 2 : 2]
+        left, right = parts[0 : n - n % 2 : 2], parts[1 : n - n % 2 : 2]
+        paired = left.add_(right) if inplace else left + right
         parts = torch.cat([paired, parts[n - 1 :]]) if n % 2 else paired
     return parts[0]
 
@@ -476,17 +478,25 @@ def row_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float()  # [M, K/d]
     w32 = weight.float()  # [N, K/d]
-    partials = torch.stack(
-        [
-            tiled_linear(
-                x2[:, c * width : (c + 1) * width],
-                w32[:, c * width : (c + 1) * width],
-                tile_rows=tile_rows,
-            )
-            for c in range(local_chunks)
-        ]
-    )  # [C/d, M, N] float32
-    total = tree_sum(gather_parts(partials, tp))  # [M, N]
+    graph = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if graph:
+        partials = torch.stack(
+            [
+                tiled_linear(
+                    x2[:, c * width : (c + 1) * width],
+                    w32[:, c * width : (c + 1) * width],
+                    tile_rows=tile_rows,
+                )
+                for c in range(local_chunks)
+            ]
+        )  # [C/d, M, N] float32
+    else:  # the same GEMMs, each chunk's rows contiguous and written in place
+        m = int(x2.shape[0])
+        xs = x2.reshape(m, local_chunks, width).transpose(0, 1).contiguous()  # [C/d, M, w]
+        partials = x2.new_empty(local_chunks, m, n)
+        for c in range(local_chunks):
+            tiled_mm(xs[c], w32[:, c * width : (c + 1) * width], tile_rows, out=partials[c])
+    total = tree_sum(gather_parts(partials, tp), inplace=not graph)  # [M, N]
     if bias is not None:
         total = total + bias.float()
     return total.to(x.dtype).reshape(*lead, n)
@@ -496,24 +506,29 @@ def row_linear(
 
 
 def _chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
-    """x [s, V'] float32 (V' = the vocabulary this rank holds, ``chunks`` chunks of it) →
-    (max [chunks, s], Σ exp(x − max) [chunks, s])."""
+    """x [s, V'] float32 (V' = the vocabulary this rank holds, ``chunks`` equal chunks of it)
+    → (max [chunks, s], Σ exp(x − max) [chunks, s]). The max is exact in any order; x − max
+    is a fresh contiguous [s, chunks, V/C] whatever x's strides; exp runs in blocks
+    (``ops.blockwise``); each (row, chunk) sums its V/C values in one reduction of its own
+    (sub-blocks of ``SUM_BLOCK`` in a tree beyond that) — the same for any number of rows or
+    chunks beside it."""
     from .ops import blockwise
 
-    maxes, sums = [], []
-    for part in x.chunk(chunks, dim=-1):
-        part = part.contiguous()  # [s, V/C]: the same layout on every rank
-        m = part.amax(dim=-1)  # [s]
-        shift = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # all −inf: 0
-        e = blockwise(torch.exp, part - shift[:, None])  # [s, V/C]
-        if e.shape[-1] <= SUM_BLOCK:
-            total = e.sum(dim=-1)
-        else:
-            blocks = torch.split(e, SUM_BLOCK, dim=-1)
-            total = tree_sum(torch.stack([b.sum(dim=-1) for b in blocks]))
-        maxes.append(m)
-        sums.append(total)
-    return torch.stack(maxes), torch.stack(sums)
+    rows, vocab = int(x.shape[0]), int(x.shape[-1])
+    if vocab % chunks:
+        raise TensorParallelError(
+            f"tp_chunks {chunks} does not divide this rank's vocabulary {vocab}"
+        )
+    parts = x.reshape(rows, chunks, vocab // chunks)  # [s, C', V/C]
+    m = parts.amax(dim=-1)  # [s, C']
+    shift = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # all −inf: 0
+    e = blockwise(torch.exp, parts - shift[..., None])  # [s, C', V/C]
+    if e.shape[-1] <= SUM_BLOCK:
+        total = e.sum(dim=-1)
+    else:
+        blocks = torch.split(e, SUM_BLOCK, dim=-1)
+        total = tree_sum(torch.stack([b.sum(dim=-1) for b in blocks]))
+    return m.t(), total.t()
 
 
 def _log_normaliser(maxes: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:

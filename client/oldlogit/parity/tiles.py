@@ -107,21 +107,27 @@ def tile_strategy(device: torch.device, dtype: torch.dtype, n_out: int = 2) -> T
 
 
 def tiled_mm(
-    x: Tensor, weight: Tensor, tile_rows: int = DEFAULT_TILE_ROWS, bias: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+    bias: Tensor | None = None,
+    *,
+    out: Tensor | None = None,
 ) -> Tensor:
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) → [M, N] through tiles of ``tile_rows`` rows.
 
     No autograd. The bias is added by the GEMM itself (``baddbmm``/``addmm``: one pass over
     the output), the same way on every tile. The rows, the last tile zero-padded, go in chunks
     of at most ``CHUNK_ROWS``: one GEMM per chunk where that was verified on CPU to give its
-    tiles' bits (``chunk_verified``), the tiles themselves otherwise.
+    tiles' bits (``chunk_verified``), the tiles themselves otherwise. ``out`` (a contiguous
+    [M, N]) receives the result (the same kernels write it; a padded input is copied in).
     """
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
     m, k = x.shape
     n_out = weight.shape[0]
     if m == 0:
-        return x.new_empty(0, n_out)
+        return x.new_empty(0, n_out) if out is None else out
     x = x.contiguous()
     w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
     cpu = x.device.type == "cpu"
@@ -138,10 +144,14 @@ def tiled_mm(
     if rows <= step and cpu and chunk_verified(weight, bias, tile_rows, rows):
         # The common short input: one GEMM, no output to assemble (per-call cost counts here).
         a = rows_of(0, rows)
+        if out is not None and rows == m:
+            return _gemm(a, w_t, bias, out)
         y = torch.mm(a, w_t) if bias is None else torch.addmm(bias, a, w_t)
-        return y if rows == m else y[:m]
+        y = y if rows == m else y[:m]
+        return y if out is None else out.copy_(y)
     strategy = tile_strategy(x.device, x.dtype, n_out)
-    out = x.new_empty(rows, n_out)  # [rows, N]
+    given = out
+    out = given if given is not None and rows == m else x.new_empty(rows, n_out)  # [rows, N]
     for start in range(0, rows, step):
         size = min(step, rows - start)
         part = rows_of(start, size)
@@ -153,6 +163,8 @@ def tiled_mm(
             _gemm(part, w_t, bias, dst)
         else:
             _tiles(part, w_t, bias, dst, tile_rows, strategy)
+    if given is not None and given is not out:
+        return given.copy_(out[:m])
     return out if rows == m else out[:m]
 
 

@@ -118,10 +118,13 @@ class Settings(BaseSettings):
     # Approximate answers (never exact): the EWMA proxy policy's decay; None disables it.
     ewma_beta: float | None = Field(None, gt=0, lt=1)
 
-    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file", mode="before")
+    @field_validator(
+        "tls_cert_file", "tls_key_file", "tls_client_ca_file", "redis_url", mode="before"
+    )
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
-        # OLDLOGIT_TLS_CLIENT_CA_FILE="" (a compose default) means "not set", not the cwd.
+        # OLDLOGIT_TLS_CLIENT_CA_FILE="" (a compose default) means "not set", not the cwd;
+        # OLDLOGIT_REDIS_URL="" unsets the base's registry (deploy/k8s/overlays/gpu-tp).
         return None if value == "" else value
 
     @model_validator(mode="before")

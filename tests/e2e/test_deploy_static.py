@@ -300,8 +300,16 @@ def test_compose_topology() -> None:
         assert s["command"][s["command"].index("--requirepass") + 1] == "p"
         assert s["environment"]["REDISCLI_AUTH"] == "p"  # the healthcheck authenticates
         assert "ports" not in s  # reachable inside the project network only
-    replicas = [n for n, s in services.items() if s.get("command", [None])[0] == "serve"]
+    servers = [n for n, s in services.items() if s.get("command", [None])[0] == "serve"]
+    replicas = [n for n in servers if not services[n].get("profiles")]
     assert replicas == ["oldlogit-1", "oldlogit-2"]
+    # The tensor-parallel variant: one container, N ranks, its own registry and volume.
+    assert [n for n in servers if n not in replicas] == ["oldlogit-tp"]
+    tp = services["oldlogit-tp"]
+    assert tp["profiles"] == ["tensor-parallel"]
+    assert tp["environment"]["OLDLOGIT_TENSOR_PARALLEL"] == "2"
+    assert tp["environment"]["OLDLOGIT_REDIS_URL"] == ""
+    assert "snapshots-tp:/snapshots" in tp["volumes"]
     for name in replicas:
         s = services[name]
         env = s["environment"]
@@ -473,6 +481,20 @@ def test_every_compose_command_runs_against_local_servers(
             redis["redis-registry"].stop()
             assert not redis["redis-registry"].answers()
             assert httpx.get(f"http://{srv.http}/healthz", timeout=10).status_code == 200
+        finally:
+            assert srv.stop() == 0
+        # The tensor-parallel variant: its command and environment start 2 ranks here.
+        tp = services["oldlogit-tp"]
+        cmd = argv(tp["command"])
+        for flag in ("--http-port", "--grpc-port"):
+            cmd[cmd.index(flag) + 1] = "0"
+        tp_env = {k: argv([v])[0] for k, v in tp["environment"].items() if k != "HOME"}
+        tp_env["OLDLOGIT_HEALTH_PORT"] = "0"
+        srv = start_cli(cmd[1:], env=tp_env)
+        try:
+            done.add(("oldlogit-tp", "command"))
+            port = {"OLDLOGIT_HEALTH_PORT": health_port(srv.lines)}
+            assert healthcheck("oldlogit-tp", port) == 0
         finally:
             assert srv.stop() == 0
     assert done == todo, f"not run: {todo - done}"
@@ -694,10 +716,15 @@ def test_overlay_semantics(overlay: str) -> None:
         "name": "oldlogit",
     }
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "oldlogit_queue_wait_seconds"
-    assert hpa["minReplicas"] >= 2
+    tp = settings.tensor_parallel
+    if tp > 1:  # one replica over its ranks: its own registry, never scaled out
+        assert hpa["minReplicas"] == hpa["maxReplicas"] == dep["spec"]["replicas"] == 1
+        assert settings.redis_url is None and settings.tp_chunks % tp == 0
+    else:
+        assert hpa["minReplicas"] >= 2
     # Redis: the URLs name the in-cluster services; registry never evicts, cache is LRU.
     for url, name, policy in (
-        (settings.redis_url, "oldlogit-redis-registry", "noeviction"),
+        *([(settings.redis_url, "oldlogit-redis-registry", "noeviction")] if tp == 1 else []),
         (settings.cache_redis_url, "oldlogit-redis-cache", "allkeys-lru"),
     ):
         assert url is not None and url.startswith(f"redis://{name}:6379/")
@@ -711,7 +738,7 @@ def test_overlay_semantics(overlay: str) -> None:
         assert args[args.index("--maxmemory-policy") + 1] == policy
     gpus = c["resources"]["limits"].get("nvidia.com/gpu")
     if overlay.startswith("gpu"):
-        assert settings.device == "cuda" and gpus == 1
+        assert settings.device == "cuda" and gpus == tp  # one GPU per rank
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
             "tolerations"
         ]

@@ -24,6 +24,7 @@ import torch
 from oldlogit import Client, Sampling, Sequence, Unavailable
 from oldlogit.parity.tensor_parallel import TensorParallelError
 from oldlogit_service.config import Settings
+from oldlogit_service.demo.tiny import make_tiny_model_dir
 from oldlogit_service.model.checkpoints import load_weights
 from oldlogit_service.model.loaded import UnsupportedModel, load_model
 from oldlogit_service.server import ServerThread, build_service
@@ -333,3 +334,25 @@ def test_nccl_tp2_equals_tp1(tmp_path: Path, model_dir: Path) -> None:
     finally:
         tp.stop()
         one.stop()
+
+
+def test_tied_head_tp2_equals_tp1(tmp_path: Path) -> None:
+    """A head tied to the embedding: the ranks hold the embedding whole and each takes its
+    vocabulary rows of the head at the forward; the answers are TP 1's."""
+    tied = make_tiny_model_dir(
+        tmp_path / "tied",
+        arch="qwen2",
+        seed=5,
+        vocab_size=384,
+        hidden_size=64,
+        num_layers=2,
+        max_positions=1024,
+        tie_word_embeddings=True,
+    )
+    p = start_pair(tmp_path / "servers", tied, 2)
+    try:
+        assert p.tp.runtime is not None and p.tp.runtime.model.aliases  # tied indeed
+        _assert_same(p, "grpc", _sequences(random.Random(7), [0], 6))
+    finally:
+        p.tp.stop()
+        p.one.stop()

@@ -22,7 +22,7 @@ from torch.func import functional_call
 
 from oldlogit.contract.numerics import SamplingParams
 
-from . import routing
+from . import routing, tensor_parallel
 from .attention import plan_segments
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
 
@@ -55,7 +55,7 @@ def processed_logprobs(
     order is < top_p, so the top token is always kept) → log_softmax → gather. A target outside
     the kept support gets −inf, never NaN. Differentiable; a few rows at a time (PROCESS_ROWS,
     PROCESS_BYTES). ``tp_chunks`` > 0: the tensor-parallel definition's log-softmax
-    (``tensor_parallel.processed_logprobs``; under ``tensor_parallel.use`` the rows are this
+    (``_tensor_parallel_rows``; under ``tensor_parallel.use`` the rows are this
     rank's vocabulary slice).
     """
     if not sampling.temperature > 0:
@@ -67,10 +67,9 @@ def processed_logprobs(
         )
     step = max(1, min(PROCESS_ROWS, PROCESS_BYTES // (4 * max(1, logits_rows.shape[-1]))))
     if tp_chunks:
-        from . import tensor_parallel
 
         def rows_of(lg: Tensor, tg: Tensor) -> Tensor:
-            return tensor_parallel.processed_logprobs(lg, tg, sampling, chunks=tp_chunks)
+            return _tensor_parallel_rows(lg, tg, sampling, tp_chunks)
     else:
 
         def rows_of(lg: Tensor, tg: Tensor) -> Tensor:
@@ -89,6 +88,25 @@ def _processed_rows(logits: Tensor, targets: Tensor, sampling: SamplingParams) -
     x = filter_rows(logits.float(), sampling)  # [s, V]
     logprobs = torch.log_softmax(x, dim=-1)  # [s, V]
     return logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [s]
+
+
+def _tensor_parallel_rows(
+    logits: Tensor, targets: Tensor, sampling: SamplingParams, chunks: int
+) -> Tensor:
+    """The tensor-parallel definition's processing (``tensor_parallel.chunked_logprobs``):
+    ``logits`` [s, V'] is this rank's vocabulary slice under ``tensor_parallel.use``, the
+    whole rows otherwise. Temperature only: the ranks' chunk statistics combine; top-k/top-p
+    first gather the whole rows and filter them as ``filter_rows`` does."""
+    tp = tensor_parallel.active()
+    degree = 1 if tp is None else tp.degree
+    x = logits.float()
+    vocab = int(x.shape[-1]) * degree
+    if (0 < sampling.top_k < vocab) or sampling.top_p < 1.0:
+        whole = filter_rows(tensor_parallel.whole_vocabulary(x, tp), sampling)  # [s, V]
+        return tensor_parallel.chunked_logprobs(whole, targets, chunks=chunks)
+    if sampling.temperature != 1.0:
+        x = x / sampling.temperature
+    return tensor_parallel.chunked_logprobs(x, targets, chunks=chunks, tp=tp)
 
 
 def filter_rows(x: Tensor, sampling: SamplingParams) -> Tensor:
@@ -243,8 +261,6 @@ def token_logprobs(
 def _whole_vocabulary(model: nn.Module, logits: Any) -> Tensor:
     """A tensor-parallel head's logits over the whole vocabulary: a DTensor gathered, a local
     vocabulary slice (``use_local_output``) gathered over the head weight's mesh; exact."""
-    from . import tensor_parallel
-
     if hasattr(logits, "full_tensor"):
         full: Tensor = logits.full_tensor()
         return full

@@ -3,7 +3,9 @@
 In: every torch function call a patched model makes (a ``TorchFunctionMode``). Out: the same
 call made batch-invariant, or refused:
 - ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``), the head optionally in
-  float32;
+  float32; under ``tp_chunks`` through the tensor-parallel definition
+  (``tensor_parallel.linear``: DTensor weights over their mesh, plain ones over the ranks of
+  ``tensor_parallel.use``);
 - ``torch.topk`` follows one explicit rule (``stable_topk``), so MoE routing picks the same
   experts, in the same order, whatever the batch — or, under a replayed routing, the given
   experts (``routing.routed_topk``);
@@ -11,7 +13,7 @@ call made batch-invariant, or refused:
   64-aligned blocks of at most one thread's grain: torch's CPU loops compute the elements of a
   vector body and of a scalar tail with different code, and which elements fall in a tail
   depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
-  GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py);
+  GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``pointwise.blockwise``;
 - any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode).
 Must not know about models, segments or the service.
 """
@@ -19,7 +21,6 @@ Must not know about models, segments or the service.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,14 +31,11 @@ from torch.overrides import TorchFunctionMode
 
 from . import attention, routing, tensor_parallel
 from .attention import InvariantNumericsError
+from .pointwise import _ALIGN, _GRAIN, POINTWISE_BLOCK, _blocks, _one_call, blockwise
 from .tiles import tiled_linear
 
 __all__ = ["POINTWISE_BLOCK", "TileMode", "UncoveredMatmul", "blockwise", "stable_topk"]
-
-# Elements per pointwise call: a multiple of every CPU vector body (no scalar tail) and at most
-# torch's parallel grain (32768), so one thread computes the block and never splits it.
-POINTWISE_BLOCK = 32768
-_ALIGN = 64
+_ = (_ALIGN, _GRAIN, _blocks, _one_call)  # the pointwise rule's parts, re-exported for tests
 
 
 class UncoveredMatmul(InvariantNumericsError):
@@ -137,83 +135,6 @@ def _topk_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, i
     bound = {**dict(zip(names, args, strict=False)), **kwargs}
     dim = int(bound.get("dim", -1))
     return bound["input"], int(bound["k"]), dim, bool(bound.get("largest", True))
-
-
-def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) -> Tensor:
-    """``func(x, *rest, **kwargs)`` elementwise over x such that every element goes through
-    the same vector code whatever the tensor's size: on contiguous blocks of
-    ``POINTWISE_BLOCK`` elements (the last one zero-padded to a multiple of 64), or in one
-    call where torch's own threads then each get a whole number of 64-element groups and
-    that was checked to give the blocks' bits (``_one_call_verified``). An ``inplace=True``
-    call writes the result back into x."""
-    inplace = bool(kwargs.pop("inplace", False))
-    n = x.numel()
-    flat = x.reshape(-1)
-    if n % _ALIGN == 0 and (
-        n <= POINTWISE_BLOCK or _one_call_verified(func, flat, n, rest, kwargs)
-    ):
-        out: Tensor = func(flat, *rest, **kwargs).view(x.shape)
-    else:
-        out = _blocks(func, flat, rest, kwargs)[:n].view(x.shape)
-    if inplace:
-        with torch.no_grad():
-            x.copy_(out)
-        return x
-    return out
-
-
-def _blocks(
-    func: Callable[..., Any], flat: Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Tensor:
-    """The definition: blocks of ``POINTWISE_BLOCK`` elements, the last zero-padded to 64."""
-    n = flat.numel()
-    padded = -(-n // _ALIGN) * _ALIGN
-    if padded != n:
-        flat = torch.cat([flat, flat.new_zeros(padded - n)])
-    # One split (not one slice per block): its backward is one concatenation, where a slice
-    # per block would make autograd allocate and add a full-size gradient per block.
-    parts = [func(block, *rest, **kwargs) for block in torch.split(flat, POINTWISE_BLOCK)]
-    out: Tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out
-
-
-# torch's CPU loops split n elements over min(threads, ⌈n / GRAIN⌉) threads in equal chunks of
-# ⌈n / that⌉ (at::parallel_for); each thread runs the vector body over its chunk and scalar
-# code on the chunk's tail. When every chunk is a whole number of 64-element groups there is no
-# tail, so one call computes every element as the blocks do — checked per (function, dtype,
-# arguments, threads used) on random values before it is relied on.
-_GRAIN = 32768
-_one_call: dict[tuple[Any, ...], bool] = {}
-_one_call_lock = threading.Lock()
-
-
-def _one_call_verified(
-    func: Callable[..., Any], flat: Tensor, n: int, rest: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
-    if flat.device.type != "cpu" or any(isinstance(a, Tensor) for a in rest):
-        return False
-    used = min(torch.get_num_threads(), -(-n // _GRAIN))
-    if n % (_ALIGN * used):
-        return False
-    try:
-        key = (func, flat.dtype, used, rest, tuple(sorted(kwargs.items())))
-        hash(key)
-    except TypeError:  # an unhashable argument: the blocks
-        return False
-    ok = _one_call.get(key)
-    if ok is None:
-        with _one_call_lock, torch.no_grad():
-            gen = torch.Generator().manual_seed(used)
-            # Chunks that are not a multiple of the grain, and random values the vector and
-            # scalar code round differently.
-            if used == torch.get_num_threads():
-                size = used * (_GRAIN + 7 * _ALIGN)  # ⌈size / GRAIN⌉ ≥ used: all threads
-            else:
-                size = used * (_GRAIN - 3 * _ALIGN)  # ⌈size / GRAIN⌉ = used
-            probe = (torch.randn(size, generator=gen) * 3).to(flat.dtype)
-            ok = bool(torch.equal(func(probe, *rest, **kwargs), _blocks(func, probe, rest, kwargs)))
-            _one_call[key] = ok
-    return ok
 
 
 class TileMode(TorchFunctionMode):

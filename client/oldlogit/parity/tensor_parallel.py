@@ -49,9 +49,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from oldlogit.contract.numerics import DEFAULT_TP_CHUNKS, SamplingParams
+from oldlogit.contract.numerics import DEFAULT_TP_CHUNKS
 
 from .attention import InvariantNumericsError
+from .pointwise import blockwise
 from .tiles import tiled_linear, tiled_mm
 
 __all__ = [
@@ -62,9 +63,15 @@ __all__ = [
     "TensorParallelError",
     "active",
     "check_degree",
+    "chunk_stats",
+    "chunked_logprobs",
     "column_linear",
+    "gather_parts",
     "linear",
-    "processed_logprobs",
+    "local",
+    "log_normaliser",
+    "placement_of",
+    "rank_of",
     "row_linear",
     "row_parallel",
     "rowwise_modules",
@@ -72,6 +79,7 @@ __all__ = [
     "shard_weight",
     "tree_sum",
     "use",
+    "whole_vocabulary",
 ]
 
 # Elements per row reduction of a vocabulary chunk: below torch's parallel grain (32768), so
@@ -242,14 +250,14 @@ class ShardRules:
 
 
 def shard_rules(model: nn.Module) -> ShardRules:
-    """The split of every weight of ``model`` (a transformers causal LM; its parameters may be
-    on the meta device) by its tensor-parallel plan: linears not marked row-parallel are split
-    by output (dim 0, bias too), row-parallel ones by input (dim 1, bias replicated), the head
-    by vocabulary (dim 0); a linear the plan does not name is split by output too, so every
-    linear is column- or row-parallel. Embeddings, norms and buffers are replicated."""
-    from .numerics import unwrap_model
-
-    core = unwrap_model(model)
+    """The split of every weight of ``model`` (a transformers causal LM itself, not a wrapper;
+    its parameters may be on the meta device) by its tensor-parallel plan: linears not marked
+    row-parallel are split by output (dim 0, bias too), row-parallel ones by input (dim 1, bias
+    replicated), the head by vocabulary (dim 0); a linear the plan does not name is split by
+    output too, so every linear is column- or row-parallel. Embeddings, norms and buffers are
+    replicated (a head tied to the embedding is then held whole: each rank takes its rows at
+    the forward, ``linear(whole=True)``)."""
+    core = model
     rowwise = rowwise_modules(core)
     dims: dict[str, int] = {}
     for name, module in core.named_modules():
@@ -505,15 +513,13 @@ def row_linear(
 # ---------------------------------------------------------------------------- the head
 
 
-def _chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
+def chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
     """x [s, V'] float32 (V' = the vocabulary this rank holds, ``chunks`` equal chunks of it)
     → (max [chunks, s], Σ exp(x − max) [chunks, s]). The max is exact in any order; x − max
     is a fresh contiguous [s, chunks, V/C] whatever x's strides; exp runs in blocks
     (``ops.blockwise``); each (row, chunk) sums its V/C values in one reduction of its own
     (sub-blocks of ``SUM_BLOCK`` in a tree beyond that) — the same for any number of rows or
     chunks beside it."""
-    from .ops import blockwise
-
     rows, vocab = int(x.shape[0]), int(x.shape[-1])
     if vocab % chunks:
         raise TensorParallelError(
@@ -531,60 +537,45 @@ def _chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
     return m.t(), total.t()
 
 
-def _log_normaliser(maxes: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
+def log_normaliser(maxes: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
     """(M [s], log S [s]) from every chunk's statistics [C, s], in the definition's order."""
-    from .ops import blockwise
-
     top = maxes.amax(dim=0)  # [s]: the top token is always kept, so finite
     scale = blockwise(torch.exp, maxes - top[None, :])  # [C, s]; exp(−inf) = 0
     total = tree_sum(sums * scale)  # [s]
     return top, blockwise(torch.log, total)
 
 
-def _filtered(x: Tensor, sampling: SamplingParams) -> Tensor:
-    """Full float32 rows [s, V] after temperature, top-k and top-p (−inf where removed):
-    the single-device pipeline's steps (``logprobs._processed_rows``) before its log-softmax."""
-    from .logprobs import filter_rows
+def whole_vocabulary(x: Tensor, tp: TensorParallel | None) -> Tensor:
+    """Rows [s, V/d] of this rank's vocabulary slice → the whole rows [s, V] (every rank's
+    slice, in rank order; exact). Itself without ``tp`` or at degree 1."""
+    if tp is None or tp.degree == 1:
+        return x
+    return torch.cat(list(gather_parts(x[None], tp).unbind(0)), dim=-1)
 
-    return filter_rows(x, sampling)
 
-
-def processed_logprobs(
-    logits: Tensor, targets: Tensor, sampling: SamplingParams, *, chunks: int
+def chunked_logprobs(
+    x: Tensor, targets: Tensor, *, chunks: int, tp: TensorParallel | None = None
 ) -> Tensor:
-    """Logprob of ``targets`` [s] under the processed distribution of each row, by the
-    definition. ``logits`` [s, V'] is this rank's vocabulary slice under ``use`` (the whole
-    rows otherwise); every rank returns the same [s] float32."""
-    tp = active()
+    """The definition's log-softmax at ``targets`` [s]: x [s, V'] float32 rows (temperature
+    applied, −inf where a filter removed a token) — this rank's vocabulary slice over ``tp``,
+    the whole rows without. The ranks combine their chunks' statistics and the one rank that
+    holds each target gives its value; every rank returns the same [s]."""
     degree = 1 if tp is None else tp.degree
-    x = logits.float()
+    maxes, sums = chunk_stats(x, chunks // degree)  # [C/d, s] each
     vocab_local = int(x.shape[-1])
-    vocab = vocab_local * degree
-    raw_filters = (0 < sampling.top_k < vocab) or sampling.top_p < 1.0
-    if raw_filters:
-        if degree > 1:  # the filters need whole rows: gather them, vocabulary in rank order
-            x = torch.cat(list(gather_parts(x[None], tp).unbind(0)), dim=-1)  # [s, V]
-        x = _filtered(x, sampling)
-        maxes, sums = _chunk_stats(x, chunks)
-        picked = x.gather(-1, targets[:, None]).squeeze(-1)
+    lo = (0 if tp is None else tp.rank) * vocab_local
+    here = (targets >= lo) & (targets < lo + vocab_local)
+    local_t = torch.where(here, targets - lo, torch.zeros_like(targets))
+    mine = torch.where(here, x.gather(-1, local_t[:, None]).squeeze(-1), x.new_zeros(()))
+    if degree > 1:
+        stats = gather_parts(torch.stack([maxes, sums]).transpose(0, 1).contiguous(), tp)
+        maxes, sums = stats[:, 0], stats[:, 1]  # [C, s] each, chunk order
+        owners = gather_parts(torch.stack([mine, here.to(x.dtype)]), tp)  # [2·d, s]
+        values, held = owners[0::2], owners[1::2]  # [d, s] each
+        picked = (values * held).sum(dim=0)  # exactly one rank holds each target
     else:
-        if sampling.temperature != 1.0:
-            x = x / sampling.temperature
-        maxes, sums = _chunk_stats(x, chunks // degree)
-        rank = 0 if tp is None else tp.rank
-        lo = rank * vocab_local
-        here = (targets >= lo) & (targets < lo + vocab_local)
-        local_t = torch.where(here, targets - lo, torch.zeros_like(targets))
-        mine = torch.where(here, x.gather(-1, local_t[:, None]).squeeze(-1), x.new_zeros(()))
-        if degree > 1:
-            stats = gather_parts(torch.stack([maxes, sums]).transpose(0, 1).contiguous(), tp)
-            maxes, sums = stats[:, 0], stats[:, 1]  # [C, s] each, chunk order
-            owners = gather_parts(torch.stack([mine, here.to(x.dtype)]), tp)  # [2·d, s]
-            values, held = owners[0::2], owners[1::2]  # [d, s] each
-            picked = (values * held).sum(dim=0)  # exactly one rank holds each target
-        else:
-            picked = mine
-    top, log_total = _log_normaliser(maxes, sums)
+        picked = mine
+    top, log_total = log_normaliser(maxes, sums)
     return (picked - top) - log_total
 
 

@@ -299,46 +299,76 @@ def test_bad_degrees_are_refused_by_name_before_any_rank_starts(
 
 @pytest.mark.slow
 def test_tp4_equals_tp1(tmp_path: Path, tiny_model_factory: object) -> None:
+    """TP 4 (its own process: one tensor-parallel front per process) against TP 1, through a
+    delta publish."""
     model_dir = tiny_model_factory(  # type: ignore[operator]
         arch="llama", seed=5, vocab_size=384, hidden_size=64, num_heads=4, num_kv_heads=4
     )
-    p = start_pair(tmp_path, model_dir, 4, versions=4.0)  # every rank holds a version
+    model = load_model(model_dir, dtype="bfloat16", device="cpu")
+    base = load_weights(model_dir, model)
+    assert base is not None
+    budget = 4.0 * model.nbytes / GIB  # every rank holds a version
+    srv = start_cli(
+        [
+            *("--model", str(model_dir), "--tensor-parallel", "4", "--dtype", "bfloat16"),
+            *("--device-budget-gib", f"{budget:.9f}", "--keyframe-every", "3"),
+            *("--write-token", WRITE_TOKEN, "--snapshot-dir", str(tmp_path / "snap")),
+            *("--http-port", "0", "--grpc-port", "0", "--rank-timeout-s", "60"),
+        ]
+    )
+    one = ServerThread(_settings(tmp_path, model_dir, 1, budget)).start()
     try:
-        w = step(p.base, 1)
-        for server in (p.tp, p.one):
-            with Client(server.http_url, token=WRITE_TOKEN) as c:
+        w = step(dict(base), 1)
+        for url in (f"http://{srv.http}", one.http_url):
+            with Client(url, token=WRITE_TOKEN) as c:
                 c.publish(1, w, delta=True)
         rng = random.Random(4)
-        for transport in ("http", "grpc"):
-            _assert_same(p, transport, _sequences(rng, [0, 1], 6))
+        for tp_url, one_url in (
+            (f"http://{srv.http}", one.http_url),
+            (f"grpc://{srv.grpc}", one.grpc_url),
+        ):
+            seqs = _sequences(rng, [0, 1], 6)
+            with Client(tp_url) as a, Client(one_url) as b:
+                got = a.logprobs_batch(seqs, use_cache=False)
+                want = b.logprobs_batch(seqs, use_cache=False)
+            for seq, x, y in zip(seqs, got, want, strict=True):
+                assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True), seq
     finally:
-        p.tp.stop()
-        p.one.stop()
+        one.stop()
+        assert srv.stop() == 0
 
 
 @pytest.mark.gpu
 def test_nccl_tp2_equals_tp1(tmp_path: Path, model_dir: Path) -> None:
+    """NCCL ranks on two GPUs (their own process: one tensor-parallel front per process)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    tp = ServerThread(
-        _settings(tmp_path, model_dir, 2, 1.0).model_copy(update={"device": "cuda"})
-    ).start()
+    srv = start_cli(
+        [
+            *("--model", str(model_dir), "--tensor-parallel", "2", "--dtype", "bfloat16"),
+            *("--device", "cuda", "--snapshot-dir", str(tmp_path / "snap")),
+            *("--http-port", "0", "--grpc-port", "0"),
+        ]
+    )
     one = ServerThread(
         _settings(tmp_path, model_dir, 1, 1.0).model_copy(update={"device": "cuda"})
     ).start()
     try:
-        model = load_model(model_dir, dtype="bfloat16", device="cpu")
-        base = load_weights(model_dir, model)
-        assert base is not None
-        _assert_same(Pair(tp, one, dict(base)), "grpc", _sequences(random.Random(2), [0], 6))
+        seqs = _sequences(random.Random(2), [0], 6)
+        with Client(f"grpc://{srv.grpc}") as a, Client(one.grpc_url) as b:
+            got = a.logprobs_batch(seqs, use_cache=False)
+            want = b.logprobs_batch(seqs, use_cache=False)
+        for seq, x, y in zip(seqs, got, want, strict=True):
+            assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True), seq
     finally:
-        tp.stop()
         one.stop()
+        assert srv.stop() == 0
 
 
 def test_tied_head_tp2_equals_tp1(tmp_path: Path) -> None:
     """A head tied to the embedding: the ranks hold the embedding whole and each takes its
-    vocabulary rows of the head at the forward; the answers are TP 1's."""
+    vocabulary rows of the head at the forward; the answers are TP 1's. (The TP 2 server runs
+    as its own process: one tensor-parallel front per process, and this module's is taken.)"""
     tied = make_tiny_model_dir(
         tmp_path / "tied",
         arch="qwen2",
@@ -349,10 +379,21 @@ def test_tied_head_tp2_equals_tp1(tmp_path: Path) -> None:
         max_positions=1024,
         tie_word_embeddings=True,
     )
-    p = start_pair(tmp_path / "servers", tied, 2)
+    assert load_model(tied, dtype="bfloat16", device="cpu").aliases  # tied indeed
+    srv = start_cli(
+        [
+            *("--model", str(tied), "--tensor-parallel", "2", "--dtype", "bfloat16"),
+            *("--http-port", "0", "--grpc-port", "0", "--snapshot-dir", str(tmp_path / "snap")),
+        ]
+    )
+    one = ServerThread(_settings(tmp_path, tied, 1, 1.0)).start()
     try:
-        assert p.tp.runtime is not None and p.tp.runtime.model.aliases  # tied indeed
-        _assert_same(p, "grpc", _sequences(random.Random(7), [0], 6))
+        seqs = _sequences(random.Random(7), [0], 6)
+        with Client(f"grpc://{srv.grpc}") as a, Client(one.grpc_url) as b:
+            got = a.logprobs_batch(seqs, use_cache=False)
+            want = b.logprobs_batch(seqs, use_cache=False)
+        for seq, x, y in zip(seqs, got, want, strict=True):
+            assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True), seq
     finally:
-        p.tp.stop()
-        p.one.stop()
+        one.stop()
+        assert srv.stop() == 0

@@ -172,7 +172,9 @@ class TileMode(TorchFunctionMode):
             x: Tensor = args[0] if len(args) > 0 else kwargs["input"]
             weight: Tensor = args[1] if len(args) > 1 else kwargs["weight"]
             bias: Tensor | None = args[2] if len(args) > 2 else kwargs.get("bias")
-            head_call = weight is getattr(self.head, "weight", None)
+            head_call = (self.head_fp32 or self.tied_head) and weight is getattr(
+                self.head, "weight", None
+            )
             if self.head_fp32 and head_call:
                 # fp32 head: hidden states and head weight cast before the projection.
                 x = x.float()

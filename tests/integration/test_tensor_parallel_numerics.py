@@ -7,8 +7,9 @@ left split per rank) and with the service's engine on its weight shards under
 unsplit under ``trainer_numerics(tp_chunks=8)`` and the engine on whole weights. Every scored
 token is bitwise equal across all of them, raw and processed (temperature, top-k, top-p); the
 TP trainer's backward reaches every parameter; after a step, the TP trainer publishes from its
-DTensor shards and its π equals the ``--tp-chunks 8`` service's answer for that version (and
-the service over HTTP and gRPC equals the TP 1 trainer). TP 4 runs under the ``slow`` marker.
+DTensor shards and its π equals, bitwise, the answer for that version of a ``--tp-chunks 8``
+service on one device and (TP 2) of one at ``--tensor-parallel 2``; the one-device service
+over HTTP and gRPC equals the TP 1 trainer. TP 4 runs under the ``slow`` marker.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import transformers
 from safetensors.torch import save_file
 
 from oldlogit.parity import token_logprobs, trainer_numerics
+from tests.e2e.conftest import CliServer, start_cli
 from tests.integration import tp_worker
-from tests.integration.conftest import Served, start_served
+from tests.integration.conftest import WRITE_TOKEN, Served, start_served
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPE = "bfloat16"
@@ -70,8 +72,26 @@ def service(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -
     served.server.stop()
 
 
+@pytest.fixture(scope="module")
+def service_tp2(
+    tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]
+) -> Iterator[CliServer]:
+    """``oldlogit serve --tensor-parallel 2`` (tp_chunks 8) of the untied model, its own
+    process (one tensor-parallel front per process)."""
+    snap = tmp_path_factory.mktemp("tp2_service")
+    srv = start_cli(
+        [
+            *("--model", str(models["untied"]), "--tensor-parallel", "2"),
+            *("--dtype", DTYPE, "--write-token", WRITE_TOKEN, "--snapshot-dir", str(snap)),
+            *("--http-port", "0", "--grpc-port", "0"),
+        ]
+    )
+    yield srv
+    srv.stop()
+
+
 def _run_ranks(
-    world: int, models: dict[str, Path], tmp: Path, service: Served
+    world: int, models: dict[str, Path], tmp: Path, urls: list[str]
 ) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs, outs = [], []
@@ -80,7 +100,7 @@ def _run_ranks(
         outs.append(out)
         cmd = [sys.executable, "-m", "tests.integration.tp_worker", str(rank), str(world)]
         cmd += [str(tmp / "init"), str(models["untied"]), DTYPE, str(out), str(models["tied"])]
-        cmd += [service.server.http_url]
+        cmd += [",".join(urls)]
         procs.append(
             subprocess.Popen(
                 cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -143,21 +163,26 @@ def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None
             assert grads == params, f"{key}: {grads} of {params} parameters got a gradient"
         assert torch.equal(seen["engine"], single["engine"])
         assert torch.equal(seen["engine_tied"], single["engine_tied"])
-        equal, total = seen["served"].tolist()
-        assert total > 200 and equal == total, f"{equal} of {total} tokens equal the service's"
+        for equal, total in seen["served"].tolist():  # each service the ranks published to
+            assert total > 200 and equal == total, f"{equal} of {total} tokens equal the service's"
 
 
 def test_tp2_bitwise_with_tp1(
-    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path, service: Served
+    models: dict[str, Path],
+    single: dict[str, torch.Tensor],
+    tmp_path: Path,
+    service: Served,
+    service_tp2: CliServer,
 ) -> None:
-    _check(_run_ranks(2, models, tmp_path, service), single)
+    urls = [service.server.http_url, f"grpc://{service_tp2.grpc}"]
+    _check(_run_ranks(2, models, tmp_path, urls), single)
 
 
 @pytest.mark.slow
 def test_tp4_bitwise_with_tp1(
     models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path, service: Served
 ) -> None:
-    _check(_run_ranks(4, models, tmp_path, service), single)
+    _check(_run_ranks(4, models, tmp_path, [service.server.http_url]), single)
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])

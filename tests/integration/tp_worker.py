@@ -1,6 +1,6 @@
 """One rank of tests/integration/test_tensor_parallel_numerics.py (run as a process per rank).
 
-``python -m tests.integration.tp_worker RANK WORLD INIT_FILE MODEL_DIR DTYPE OUT TIED_DIR URL``:
+``python -m tests.integration.tp_worker RANK WORLD INIT_FILE MODEL_DIR DTYPE OUT TIED_DIR URLS``:
 joins a gloo group of WORLD ranks (one CPU thread each) and, on this rank's shard of the same
 weights, computes under the tensor-parallel definition (``tp_chunks=8``):
 - ``trainer``: the model split by torch's ``parallelize_module`` over a 1-D device mesh (the
@@ -13,9 +13,9 @@ weights, computes under the tensor-parallel definition (``tp_chunks=8``):
   (``tensor_parallel.shard_rules`` / ``shard_weight``) under ``tensor_parallel.use``;
   ``engine_tied``: that for TIED_DIR's model, whose head is its (replicated) embedding;
 - ``served``: the TP trainer takes an optimizer-like step, publishes its TP-sharded DTensor
-  state from every rank (``publish_sharded``) as version 20 + WORLD to the ``--tp-chunks 8``
-  service at URL, and compares its own π (under ``like=`` the service's spec) with the
-  service's answer.
+  state from every rank (``publish_sharded``) as version 20 + WORLD to each ``--tp-chunks 8``
+  service of URLS (comma-separated: one device, and a service at ``--tensor-parallel 2``),
+  and compares its own π (under ``like=`` that service's spec) with each one's answer.
 Writes OUT (``torch.save``): the logprobs of each, and whether every parameter got a gradient.
 """
 
@@ -68,8 +68,11 @@ def trainer_logprobs(model: torch.nn.Module, vocab: int) -> dict[str, torch.Tens
     return {"raw": raw, "processed": processed, "grads": torch.tensor([grads, params])}
 
 
-def served(model: torch.nn.Module, vocab: int, url: str, version: int) -> dict[str, torch.Tensor]:
-    """Step, publish from the shards, and compare π with the service's answer."""
+def served(
+    model: torch.nn.Module, vocab: int, urls: list[str], version: int
+) -> dict[str, torch.Tensor]:
+    """Step, publish from the shards to every service, and compare π with each one's answer:
+    [tokens equal, tokens compared] per service."""
     import numpy as np
 
     from oldlogit import Client, Sequence
@@ -83,22 +86,25 @@ def served(model: torch.nn.Module, vocab: int, url: str, version: int) -> dict[s
             nudge_(p)  # elementwise: the same on a shard as on the whole tensor
     seqs = samples(vocab)
     ids, mask = left_padded(seqs)
-    with Client(url, token=WRITE_TOKEN, timeout_s=120) as client:
-        publish_sharded(client, version, model.state_dict())
-        spec = client.info().numerics_spec()
-        answers = client.logprobs_batch(
-            [Sequence(token_ids=s.numpy(), policy_version=version, score_from=1) for s in seqs],
-            use_cache=False,
-        )
-    with trainer_numerics(model, like=spec), torch.no_grad():
-        mine = token_logprobs(model, ids, mask)
     width = ids.shape[1]
-    equal = total = 0
-    for i, (s, res) in enumerate(zip(seqs, answers, strict=True)):
-        got = mine[i, width - len(s) + 1 :].float().numpy()
-        equal += int(np.sum(got == res.logprobs[1:]))
-        total += got.size
-    return {"served": torch.tensor([equal, total])}
+    counts = []
+    for url in urls:
+        with Client(url, token=WRITE_TOKEN, timeout_s=120) as client:
+            publish_sharded(client, version, model.state_dict())
+            spec = client.info().numerics_spec()
+            answers = client.logprobs_batch(
+                [Sequence(token_ids=s.numpy(), policy_version=version, score_from=1) for s in seqs],
+                use_cache=False,
+            )
+        with trainer_numerics(model, like=spec), torch.no_grad():
+            mine = token_logprobs(model, ids, mask)
+        equal = total = 0
+        for i, (s, res) in enumerate(zip(seqs, answers, strict=True)):
+            got = mine[i, width - len(s) + 1 :].float().numpy()
+            equal += int(np.sum(got == res.logprobs[1:]))
+            total += got.size
+        counts.append([equal, total])
+    return {"served": torch.tensor(counts)}
 
 
 def engine_logprobs(model_dir: str, dtype: str, tp: Any) -> dict[str, torch.Tensor]:
@@ -157,7 +163,7 @@ def build_trainer(model_dir: str, dtype: str, mesh: Any, local_head: bool) -> to
 
 
 def main(argv: list[str]) -> None:
-    rank, world, init_file, model_dir, dtype, out, tied_dir, url = argv
+    rank, world, init_file, model_dir, dtype, out, tied_dir, urls = argv
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=int(rank), world_size=int(world)
@@ -175,7 +181,8 @@ def main(argv: list[str]) -> None:
         seen.update({f"{key}.{k}": v for k, v in got.items()})
     seen.update(engine_logprobs(model_dir, dtype, tp))
     seen["engine_tied"] = engine_logprobs(tied_dir, dtype, tp)["engine"]
-    seen.update(served(build_trainer(model_dir, dtype, mesh, False), vocab, url, 20 + int(world)))
+    trainer = build_trainer(model_dir, dtype, mesh, False)
+    seen.update(served(trainer, vocab, urls.split(","), 20 + int(world)))
     torch.save(seen, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,36 @@ from oldlogit_service.model.loaded import LoadedModel, load_model
 from oldlogit_service.server import ServerThread
 
 WRITE_TOKEN = "test-write-token"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_ranks(
+    module: str, argv_of: Callable[[int], list[str]], world: int, *, threads: str, timeout_s: float
+) -> list[tuple[int, str]]:
+    """``python -m module *argv_of(rank)`` for every rank at once (the repository on the path,
+    ``threads`` CPU threads each); (exit code, output) per rank. A rank that does not finish
+    in ``timeout_s`` kills them all and fails the test with its output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, *argv_of(rank)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank hung:\n{p.communicate()[0][-3000:]}")
+    return [(p.returncode, log) for p, log in zip(procs, logs, strict=True)]
 
 
 @dataclass

@@ -17,9 +17,6 @@ with the service's CPU thread count (part of the numerics).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,11 +24,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.integration.conftest import Served, start_served
+from tests.integration.conftest import Served, run_ranks, start_served
 from tests.integration.parity_worker import VERSION
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 SETUPS = ["ddp", "fsdp2_mp", "fsdp1_mp", "fsdp2_fp32", "fsdp2_autocast", "tp"]
 
@@ -53,27 +47,20 @@ def _run(served: Served, model_dir: Path, tmp: Path) -> dict[str, list[dict[str,
     weights = tmp / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in served.weights[VERSION].items()}, str(weights))
     threads = str(torch.get_num_threads())  # the service's: part of the numerics on CPU
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
-    procs, outs = [], []
-    for rank in range(2):
-        out = tmp / f"rank{rank}.json"
-        outs.append(out)
-        cmd = [sys.executable, "-m", "tests.integration.parity_worker", ",".join(SETUPS)]
-        cmd += [str(rank), "2", str(tmp / "init"), served.server.http_url, str(model_dir)]
-        cmd += [str(weights), str(out)]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
+    outs = [tmp / f"rank{rank}.json" for rank in range(2)]
+
+    def argv(rank: int) -> list[str]:
+        return [
+            *(",".join(SETUPS), str(rank), "2", str(tmp / "init"), served.server.http_url),
+            *(str(model_dir), str(weights), str(outs[rank])),
+        ]
+
+    logs = [
+        log
+        for _, log in run_ranks(
+            "tests.integration.parity_worker", argv, 2, threads=threads, timeout_s=280
         )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=280)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0])
-            pytest.fail(f"a rank hung:\n{logs[-1][-3000:]}")
+    ]
     ranks = [json.loads(o.read_text()) for o in outs]
     by_setup = {}
     for setup in SETUPS:

@@ -14,9 +14,6 @@ over HTTP and gRPC equals the TP 1 trainer. TP 4 runs under the ``slow`` marker.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +26,8 @@ from safetensors.torch import save_file
 from oldlogit.parity import token_logprobs, trainer_numerics
 from tests.e2e.conftest import CliServer, start_cli
 from tests.integration import tp_worker
-from tests.integration.conftest import WRITE_TOKEN, Served, start_served
+from tests.integration.conftest import WRITE_TOKEN, Served, run_ranks, start_served
 
-REPO = Path(__file__).resolve().parents[2]
 DTYPE = "bfloat16"
 
 
@@ -93,30 +89,16 @@ def service_tp2(
 def _run_ranks(
     world: int, models: dict[str, Path], tmp: Path, urls: list[str]
 ) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp / f"rank{rank}.pt"
-        outs.append(out)
-        cmd = [sys.executable, "-m", "tests.integration.tp_worker", str(rank), str(world)]
-        cmd += [str(tmp / "init"), str(models["untied"]), DTYPE, str(out), str(models["tied"])]
-        cmd += [",".join(urls)]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=400)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a rank hung:\n{p.communicate()[0][-3000:]}")
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-4000:]
-    return [torch.load(o) for o in outs]
+    def argv(rank: int) -> list[str]:
+        return [
+            *(str(rank), str(world), str(tmp / "init"), str(models["untied"]), DTYPE),
+            *(str(tmp / f"rank{rank}.pt"), str(models["tied"]), ",".join(urls)),
+        ]
+
+    ranks = run_ranks("tests.integration.tp_worker", argv, world, threads="1", timeout_s=400)
+    for code, log in ranks:
+        assert code == 0, log[-4000:]
+    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(world)]
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,12 @@ def _sequences(rng: random.Random, versions: list[int], n: int) -> list[Sequence
 
 
 def _assert_same(pair: Pair, transport: str, seqs: list[Sequence]) -> None:
-    with Client(_url(pair.tp, transport)) as a, Client(_url(pair.one, transport)) as b:
+    _assert_urls_same(_url(pair.tp, transport), _url(pair.one, transport), seqs)
+
+
+def _assert_urls_same(tp_url: str, one_url: str, seqs: list[Sequence]) -> None:
+    """The tensor-parallel server at ``tp_url`` answers ``seqs`` as the one at ``one_url``."""
+    with Client(tp_url) as a, Client(one_url) as b:
         got = a.logprobs_batch(seqs, use_cache=False)
         want = b.logprobs_batch(seqs, use_cache=False)
     for seq, x, y in zip(seqs, got, want, strict=True):
@@ -327,12 +332,7 @@ def test_tp4_equals_tp1(tmp_path: Path, tiny_model_factory: object) -> None:
             (f"http://{srv.http}", one.http_url),
             (f"grpc://{srv.grpc}", one.grpc_url),
         ):
-            seqs = _sequences(rng, [0, 1], 6)
-            with Client(tp_url) as a, Client(one_url) as b:
-                got = a.logprobs_batch(seqs, use_cache=False)
-                want = b.logprobs_batch(seqs, use_cache=False)
-            for seq, x, y in zip(seqs, got, want, strict=True):
-                assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True), seq
+            _assert_urls_same(tp_url, one_url, _sequences(rng, [0, 1], 6))
     finally:
         one.stop()
         assert srv.stop() == 0
@@ -354,12 +354,7 @@ def test_nccl_tp2_equals_tp1(tmp_path: Path, model_dir: Path) -> None:
         _settings(tmp_path, model_dir, 1, 1.0).model_copy(update={"device": "cuda"})
     ).start()
     try:
-        seqs = _sequences(random.Random(2), [0], 6)
-        with Client(f"grpc://{srv.grpc}") as a, Client(one.grpc_url) as b:
-            got = a.logprobs_batch(seqs, use_cache=False)
-            want = b.logprobs_batch(seqs, use_cache=False)
-        for seq, x, y in zip(seqs, got, want, strict=True):
-            assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True), seq
+        _assert_urls_same(f"grpc://{srv.grpc}", one.grpc_url, _sequences(random.Random(2), [0], 6))
     finally:
         one.stop()
         assert srv.stop() == 0
@@ -388,12 +383,7 @@ def test_tied_head_tp2_equals_tp1(tmp_path: Path) -> None:
     )
     one = ServerThread(_settings(tmp_path, tied, 1, 1.0)).start()
     try:
-        seqs = _sequences(random.Random(7), [0], 6)
-        with Client(f"grpc://{srv.grpc}") as a, Client(one.grpc_url) as b:
-            got = a.logprobs_batch(seqs, use_cache=False)
-            want = b.logprobs_batch(seqs, use_cache=False)
-        for seq, x, y in zip(seqs, got, want, strict=True):
-            assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True), seq
+        _assert_urls_same(f"grpc://{srv.grpc}", one.grpc_url, _sequences(random.Random(7), [0], 6))
     finally:
         one.stop()
         assert srv.stop() == 0

@@ -52,6 +52,24 @@ def timed(fn: Callable[[], Any], *, reps: int, warmup: int = 1) -> list[float]:
     return out
 
 
+def interleaved(
+    a: tuple[Callable[[], Any], Callable[[], None]],
+    b: tuple[Callable[[], Any], Callable[[], None]],
+    *,
+    rounds: int,
+    reps: int,
+) -> tuple[list[float], list[float], list[float]]:
+    """Two arms, each (a context-manager factory entered around its timing, the call), timed
+    in turn ``rounds`` times (the same machine state for both): per round, the median seconds
+    of ``reps`` calls of each, and a ÷ b."""
+    a_s, b_s = [], []
+    for _ in range(rounds):
+        for (enter, fn), out in ((a, a_s), (b, b_s)):
+            with enter():
+                out.append(statistics.median(timed(fn, reps=reps, warmup=1)))
+    return a_s, b_s, [x / y for x, y in zip(a_s, b_s, strict=True)]
+
+
 def summary(times: list[float]) -> dict[str, float]:
     return {
         "median_s": statistics.median(times),

@@ -12,6 +12,8 @@ bf16 at Qwen2.5-0.5B's layer shapes with vocab 32,768, 4 layers; 1 × 128, 16 ×
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import tempfile
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Figure, timed
+from benchmarks.common import Figure, interleaved
 
 # Qwen2.5-0.5B's layer shapes with a 32,768-token vocabulary (invariant-vs-plain's bf16 model).
 BF16_05B_LAYERS = {
@@ -98,14 +100,12 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
                 with torch.inference_mode():
                     token_logprobs(model, ids)
 
-            plain_s, inv_s, ratios = [], [], []
-            for _ in range(args.invariant_rounds):  # interleaved: the same machine state
-                p = statistics.median(timed(plain, reps=args.invariant_reps, warmup=1))
-                with trainer_numerics(model):
-                    i = statistics.median(timed(invariant, reps=args.invariant_reps, warmup=1))
-                plain_s.append(p)
-                inv_s.append(i)
-                ratios.append(p / i)
+            plain_s, inv_s, ratios = interleaved(
+                (contextlib.nullcontext, plain),
+                (functools.partial(trainer_numerics, model), invariant),
+                rounds=args.invariant_rounds,
+                reps=args.invariant_reps,
+            )
             figures.append(
                 Figure(
                     "invariant-vs-plain",

@@ -17,6 +17,7 @@ tp-serve            ``oldlogit serve --tensor-parallel N --tp-chunks 8`` ÷ ``--
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks import invariant
-from benchmarks.common import Figure, timed
+from benchmarks.common import Figure, interleaved
 
 
 def definition_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
@@ -47,15 +48,12 @@ def definition_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
                 with torch.inference_mode():
                     token_logprobs(model, ids)
 
-            default_s, tp_s, ratios = [], [], []
-            for _ in range(args.invariant_rounds):  # interleaved: the same machine state
-                with trainer_numerics(model):
-                    d = statistics.median(timed(score, reps=args.invariant_reps, warmup=1))
-                with trainer_numerics(model, tp_chunks=8):
-                    t = statistics.median(timed(score, reps=args.invariant_reps, warmup=1))
-                default_s.append(d)
-                tp_s.append(t)
-                ratios.append(d / t)
+            default_s, tp_s, ratios = interleaved(
+                (functools.partial(trainer_numerics, model), score),
+                (functools.partial(trainer_numerics, model, tp_chunks=8), score),
+                rounds=args.invariant_rounds,
+                reps=args.invariant_reps,
+            )
             figures.append(
                 Figure(
                     "tp-definition-cost",

@@ -62,7 +62,8 @@ def interleaved(
     """Two arms, each (a context-manager factory entered around its timing, the call), timed
     in turn ``rounds`` times (the same machine state for both): per round, the median seconds
     of ``reps`` calls of each, and a ÷ b."""
-    a_s, b_s = [], []
+    a_s: list[float] = []
+    b_s: list[float] = []
     for _ in range(rounds):
         for (enter, fn), out in ((a, a_s), (b, b_s)):
             with enter():

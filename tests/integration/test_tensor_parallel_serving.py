@@ -360,6 +360,7 @@ def test_nccl_tp2_equals_tp1(tmp_path: Path, model_dir: Path) -> None:
         assert srv.stop() == 0
 
 
+@pytest.mark.slow  # the engine's tied head at TP 2 is in the default run: tp_worker's engine_tied
 def test_tied_head_tp2_equals_tp1(tmp_path: Path) -> None:
     """A head tied to the embedding: the ranks hold the embedding whole and each takes its
     vocabulary rows of the head at the forward; the answers are TP 1's. (The TP 2 server runs

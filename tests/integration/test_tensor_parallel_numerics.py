@@ -143,6 +143,7 @@ def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None
             assert torch.equal(seen[f"{key}.processed"], single["trainer.processed"]), key
             grads, params = seen[f"{key}.grads"].tolist()
             assert grads == params, f"{key}: {grads} of {params} parameters got a gradient"
+        assert torch.equal(seen["fsdp_tp.raw"], single["trainer.raw"])  # FSDP2 over TP 2
         assert torch.equal(seen["engine"], single["engine"])
         assert torch.equal(seen["engine_tied"], single["engine_tied"])
         for equal, total in seen["served"].tolist():  # each service the ranks published to

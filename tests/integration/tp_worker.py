@@ -8,7 +8,8 @@ weights, computes under the tensor-parallel definition (``tp_chunks=8``):
   torchtitan's plan) under ``trainer_numerics(model, tp_chunks=8)``: ``token_logprobs`` of a
   left-padded batch, raw and processed (temperature, top-k, top-p), then a backward;
   ``trainer_local_head``: the same with the head's output left split (``use_local_output``:
-  each rank holds its vocabulary slice of the logits);
+  each rank holds its vocabulary slice of the logits); ``fsdp_tp``: FSDP2 over the ``dp``
+  dimension of a (WORLD/2 × 2) mesh on that model split at TP 2 over ``tp``;
 - ``engine``: the service's engine on the skeleton with this rank's shards
   (``tensor_parallel.shard_rules`` / ``shard_weight``) under ``tensor_parallel.use``;
   ``engine_tied``: that for TIED_DIR's model, whose head is its (replicated) embedding;
@@ -162,6 +163,24 @@ def build_trainer(model_dir: str, dtype: str, mesh: Any, local_head: bool) -> to
     return model
 
 
+def fsdp_over_tp(model_dir: str, dtype: str, world: int, vocab: int) -> dict[str, torch.Tensor]:
+    """FSDP2 (``fully_shard`` over the ``dp`` dimension) on a TP 2 model of a 2-D mesh
+    (world/2 × 2): the forward sees DTensors of the 1-D ``tp`` sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from oldlogit.parity import token_logprobs, trainer_numerics
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = build_trainer(model_dir, dtype, mesh["tp"], False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ids, mask = left_padded(samples(vocab))
+    with trainer_numerics(model, tp_chunks=8), torch.no_grad():
+        return {"fsdp_tp.raw": token_logprobs(model, ids, mask)}
+
+
 def main(argv: list[str]) -> None:
     rank, world, init_file, model_dir, dtype, out, tied_dir, urls = argv
     torch.set_num_threads(1)
@@ -181,6 +200,7 @@ def main(argv: list[str]) -> None:
         seen.update({f"{key}.{k}": v for k, v in got.items()})
     seen.update(engine_logprobs(model_dir, dtype, tp))
     seen["engine_tied"] = engine_logprobs(tied_dir, dtype, tp)["engine"]
+    seen.update(fsdp_over_tp(model_dir, dtype, int(world), vocab))
     trainer = build_trainer(model_dir, dtype, mesh, False)
     seen.update(served(trainer, vocab, urls.split(","), 20 + int(world)))
     torch.save(seen, out)

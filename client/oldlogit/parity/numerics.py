@@ -596,11 +596,7 @@ def patch_numerics(
 def _tp_degree(core: nn.Module) -> int:
     """The tensor-parallel degree the model's weights are split at (1: none, or the service's
     ranks, whose plain shard tensors are bound at each call)."""
-    for param in core.parameters():
-        tp = tensor_parallel.rank_of(param)
-        if tp is not None:
-            return tp.degree
-    return 1
+    return max((tensor_parallel.degree_at_rest(p) for p in core.parameters()), default=1)
 
 
 def _row_parallel_forward(module: nn.Linear, x: Any) -> Any:

@@ -66,6 +66,7 @@ __all__ = [
     "chunk_stats",
     "chunked_logprobs",
     "column_linear",
+    "degree_at_rest",
     "gather_parts",
     "linear",
     "local",
@@ -99,6 +100,7 @@ class TensorParallel:
     group: Any = None
     rank: int = 0
     degree: int = 1
+    mesh_dim: int = 0  # a DTensor's: the device-mesh dimension it is split over
 
     def __post_init__(self) -> None:
         if self.degree < 1 or not 0 <= self.rank < self.degree:
@@ -169,9 +171,11 @@ def linear(
     if sharded and not rowwise and hasattr(x, "placements"):
         # A replicated input to a column split: each rank's input gradient is a partial sum
         # (its columns' share), summed over the mesh by DTensor in the backward.
-        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor import Partial, Replicate
 
-        x_l = x.to_local(grad_placements=[Partial()])
+        grads: list[Any] = [Replicate()] * x.device_mesh.ndim
+        grads[tp.mesh_dim if tp is not None else 0] = Partial()
+        x_l = x.to_local(grad_placements=grads)
     else:
         x_l = local(x)
     if rowwise:
@@ -189,7 +193,9 @@ def linear(
         return out
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    placements = [Replicate()] if rowwise or not sharded else [Shard(-1)]
+    placements: list[Any] = [Replicate()] * weight.device_mesh.ndim
+    if sharded and not rowwise:
+        placements[tp.mesh_dim] = Shard(-1)
     return DTensor.from_local(out, weight.device_mesh, placements, run_check=False)
 
 
@@ -580,17 +586,40 @@ def chunked_logprobs(
 
 
 def rank_of(weight: Any) -> TensorParallel | None:
-    """The tensor-parallel group a DTensor weight is split over (its 1-D device mesh); None
-    for a plain tensor. Refuses other meshes by name."""
+    """The tensor-parallel group a DTensor weight is split over: the one dimension of its
+    device mesh it is sharded on (a 2-D mesh's ``tp`` under FSDP2, replicated over ``dp`` at
+    the forward), or its 1-D mesh; degree 1 for one replicated over every dimension; None for
+    a plain tensor. A weight split over two mesh dimensions at the forward is refused by name."""
     mesh = getattr(weight, "device_mesh", None)
     if mesh is None:
         return None
-    if mesh.ndim != 1:
+    split = [i for i, p in enumerate(getattr(weight, "placements", ())) if hasattr(p, "dim")]
+    if len(split) > 1:
         raise TensorParallelError(
-            f"tp_chunks: a weight on a {mesh.ndim}-D device mesh {tuple(mesh.shape)}: only "
-            "1-D tensor-parallel meshes are covered"
+            f"tp_chunks: a weight {list(weight.shape)} split over {len(split)} dimensions of "
+            f"the device mesh {tuple(mesh.shape)} at the forward: only one tensor-parallel "
+            "dimension is covered"
         )
-    return TensorParallel(mesh.get_group(), int(mesh.get_local_rank()), int(mesh.size()))
+    if not split and mesh.ndim > 1:
+        return TensorParallel()
+    dim = split[0] if split else 0
+    return TensorParallel(
+        mesh.get_group(dim), int(mesh.get_local_rank(dim)), int(mesh.size(dim)), dim
+    )
+
+
+def degree_at_rest(param: Any) -> int:
+    """The tensor-parallel degree of a parameter as the trainer holds it between steps: its
+    1-D mesh's size, or on a 2-D mesh (FSDP2 over TP) the ``tp`` dimension's (the inner one
+    when the dimensions are unnamed); 1 for a plain tensor."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return 1
+    if mesh.ndim == 1:
+        return int(mesh.size())
+    names = list(getattr(mesh, "mesh_dim_names", None) or ())
+    dim = names.index("tp") if "tp" in names else mesh.ndim - 1
+    return int(mesh.size(dim))
 
 
 def placement_of(weight: Any) -> Placement | None:

@@ -136,13 +136,13 @@ def test_expert_kernels_outside_the_tiles_are_refused(kernel):
 def test_one_call_pointwise_is_checked_then_used_with_several_threads():
     """With 2+ threads a large aligned tensor runs in one call (every thread a whole number of
     64-element groups) once that was checked against the blocks; the bits are the blocks'."""
-    from oldlogit.parity import ops
+    from oldlogit.parity import pointwise
 
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: the blocks are one call each anyway")
     x = torch.randn(8, POINTWISE_BLOCK // 2, generator=torch.Generator().manual_seed(3))
     assert torch.equal(
-        blockwise(F.silu, x), ops._blocks(F.silu, x.reshape(-1), (), {}).view(x.shape)
+        blockwise(F.silu, x), pointwise._blocks(F.silu, x.reshape(-1), (), {}).view(x.shape)
     )
-    used = min(torch.get_num_threads(), -(-x.numel() // ops._GRAIN))
-    assert ops._one_call[(F.silu, torch.float32, used, (), ())] is True
+    used = min(torch.get_num_threads(), -(-x.numel() // pointwise._GRAIN))
+    assert pointwise._one_call[(F.silu, torch.float32, used, (), ())] is True

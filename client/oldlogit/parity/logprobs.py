@@ -268,8 +268,7 @@ def _whole_vocabulary(model: nn.Module, logits: Any) -> Tensor:
     tp = tensor_parallel.rank_of(head.weight)
     if tp is None or tp.degree == 1 or int(logits.shape[-1]) == int(head.weight.shape[0]):
         return logits  # type: ignore[no-any-return]
-    parts = tensor_parallel.gather_parts(logits[None], tp)  # [d, B, rows, V/d]
-    return torch.cat(list(parts.unbind(0)), dim=-1)
+    return tensor_parallel.whole_vocabulary(logits, tp)
 
 
 def replay_routing(

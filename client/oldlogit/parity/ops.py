@@ -31,11 +31,10 @@ from torch.overrides import TorchFunctionMode
 
 from . import attention, routing, tensor_parallel
 from .attention import InvariantNumericsError
-from .pointwise import _ALIGN, _GRAIN, POINTWISE_BLOCK, _blocks, _one_call, blockwise
+from .pointwise import POINTWISE_BLOCK, blockwise
 from .tiles import tiled_linear
 
 __all__ = ["POINTWISE_BLOCK", "TileMode", "UncoveredMatmul", "blockwise", "stable_topk"]
-_ = (_ALIGN, _GRAIN, _blocks, _one_call)  # the pointwise rule's parts, re-exported for tests
 
 
 class UncoveredMatmul(InvariantNumericsError):

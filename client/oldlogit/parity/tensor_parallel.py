@@ -159,7 +159,8 @@ def linear(
     rowwise = bool(getattr(_local, "rowwise", False))
     _local.rowwise = False  # one mark, one call (the module's own F.linear)
     tp = rank_of(weight)
-    sharded = tp is not None and placement_of(weight) is not None
+    placement = placement_of(weight) if tp is not None else None
+    sharded = placement is not None
     # A DTensor split over its mesh runs over that mesh; a replicated one alone; a plain one
     # over the ranks of ``use`` (the service's shards), alone without.
     group = tp if sharded else (active() if tp is None else None)
@@ -181,7 +182,7 @@ def linear(
     if rowwise:
         out = row_linear(x_l, w_l, b_l, chunks=chunks, tile_rows=tile_rows, tp=group)
     else:
-        if tp is not None and placement_of(weight) == "rowwise":
+        if placement == "rowwise":
             raise TensorParallelError(
                 f"tp_chunks: a linear weight {list(weight.shape)} split by its input "
                 "(Shard(1)) is not one of the model plan's rowwise layers: its sums cross "
@@ -552,8 +553,8 @@ def log_normaliser(maxes: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def whole_vocabulary(x: Tensor, tp: TensorParallel | None) -> Tensor:
-    """Rows [s, V/d] of this rank's vocabulary slice → the whole rows [s, V] (every rank's
-    slice, in rank order; exact). Itself without ``tp`` or at degree 1."""
+    """Rows [..., V/d] of this rank's vocabulary slice → the whole rows [..., V] (every
+    rank's slice, in rank order; exact). Itself without ``tp`` or at degree 1."""
     if tp is None or tp.degree == 1:
         return x
     return torch.cat(list(gather_parts(x[None], tp).unbind(0)), dim=-1)

@@ -12,8 +12,11 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -176,6 +179,71 @@ def test_tp2_equals_tp1_through_deltas_and_evictions(
     for rank in stats:
         assert rank["device_evictions"] > 0, rank  # versions were evicted and reloaded
         assert rank["device_versions"] >= 1
+
+
+def test_a_version_one_rank_evicted_is_held_on_every_rank_before_it_runs(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank's store evicts by its own clock, so a version can stay resident on the front
+    and be gone on another rank. It must not run until the load stage has held it on every
+    rank: otherwise that rank loads it inside the forward while the versions held for the
+    queued work fill its budget, and the ranks wait on each other."""
+    first = 300
+    w = pair.base
+    with (
+        Client(pair.tp.http_url, token=WRITE_TOKEN) as a,
+        Client(pair.one.http_url, token=WRITE_TOKEN) as b,
+    ):
+        for i in range(3):
+            w = step(w, first + i)
+            assert a.publish(first + i, w).created and b.publish(first + i, w).created
+    svc = pair.tp.service
+    assert svc is not None and svc.replica is not None
+    front = svc.replica.front
+    # Every forward's version must be held on every rank when it starts.
+    held: dict[int, int] = {}
+    unheld_forwards: list[int] = []
+    hold, unhold, forward = front.hold, front.unhold, front.forward
+
+    def holding(version: int, wanted: AbstractSet[int] = frozenset()) -> None:
+        hold(version, wanted)
+        held[version] = held.get(version, 0) + 1
+
+    def unholding(version: int, *, ranks: list[int] | None = None) -> None:
+        held[version] -= 1
+        unhold(version, ranks=ranks)
+
+    def forwarding(op: str, weights: Any, jobs: Any) -> Any:
+        if not held.get(weights.version):
+            unheld_forwards.append(weights.version)
+        return forward(op, weights, jobs)
+
+    monkeypatch.setattr(front, "hold", holding)
+    monkeypatch.setattr(front, "unhold", unholding)
+    monkeypatch.setattr(front, "forward", forwarding)
+    rng = random.Random(first)
+    for _ in range(3):
+        _assert_same(pair, "http", _sequences(rng, [first], 2))  # resident on every rank now
+        deadline = time.monotonic() + 10
+        while held.get(first) and time.monotonic() < deadline:  # the load stage lets it go
+            time.sleep(0.01)
+        # Rank 1 drops it; the front keeps it.
+        evicted = [r.raise_for(rank) for rank, r in enumerate(front._command("evict", first))]
+        assert front.store.resident(first) and evicted[1]
+        # The evicted version first, the others at once: the load stage holds two of them
+        # while the compute stage takes the first.
+        batches = [_sequences(rng, [v], 2) for v in (first, first + 1, first + 2)]
+        with ThreadPoolExecutor(len(batches)) as pool:
+            done = [pool.submit(_answers, pair.tp.http_url, seqs) for seqs in batches]
+            got = [f.result(timeout=60) for f in done]
+        for seqs, answers in zip(batches, got, strict=True):
+            assert answers == _answers(pair.one.http_url, seqs)
+    assert not unheld_forwards
+
+
+def _answers(url: str, seqs: list[Sequence]) -> list[bytes]:
+    with Client(url, timeout_s=30) as c:
+        return [r.logprobs.tobytes() for r in c.logprobs_batch(seqs, use_cache=False)]
 
 
 def test_info_reports_the_ranks(pair: Pair) -> None:

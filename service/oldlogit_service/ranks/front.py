@@ -209,7 +209,13 @@ class Front:
             r.raise_for(rank)
 
     def resident(self, version: int) -> bool:
-        return self.store.resident(version)
+        """Never, for the scheduler: each rank's store evicts by its own clock and load times,
+        so a version resident here may be gone on another rank, whose acquire would then load
+        it while every rank's device budget is pinned by the versions the load stage holds —
+        the ranks would wait on each other. The compute stage runs only versions the load
+        stage has ``hold``-ed on every rank (a hold of a version resident everywhere is one
+        round of commands and loads nothing)."""
+        return False
 
     def has_room(self) -> bool:
         return self.store.has_room()

@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.hidden, args.layers, args.vocab = 64, 2, 512
         args.seqs, args.seq_len, args.concurrency, args.single_len, args.reps = 4, 64, 4, 16, 1
-        args.duration_s, args.capacity_s, args.publish_every_s = 8.0, 3.0, 1.0
-        args.warmup_s = 2.0
+        args.duration_s, args.capacity_s, args.publish_every_s = 4.0, 1.5, 0.5
+        args.warmup_s = 1.0
         delta_trace.smoke(args)
         parity.smoke(args)
         pipeline.smoke(args)

@@ -346,3 +346,29 @@ def test_contraction_detection_of_the_tripwire() -> None:
     assert _contracted(torch.einsum, ("ij,jk->ik", a, b)) > 1
     assert _contracted(torch.einsum, ("ij,jk", a, b)) > 1  # implicit output still contracts j
     assert _contracted(torch.einsum, ("ij,kl", a, b)) == 1
+
+
+def test_token_logprobs_plans_a_batch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward reuses the plan ``token_logprobs`` made of the same mask and positions; a
+    direct model call (other tensors) still makes its own."""
+    from oldlogit.parity import attention, logprobs
+
+    calls: list[tuple[int, int]] = []
+    real = attention.plan_segments
+
+    def counting(batch: int, length: int, *args: object) -> object:
+        calls.append((batch, length))
+        return real(batch, length, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "plan_segments", counting)
+    monkeypatch.setattr(logprobs, "plan_segments", counting)
+    model = _model("qwen2", torch.float32)
+    ids, mask = _padded(_sequences(np.random.default_rng(3), 3), "left")
+    with trainer_numerics(model), torch.no_grad():
+        got = token_logprobs(model, ids, mask)
+        assert calls == [(3, ids.shape[1])]
+        model(input_ids=ids, attention_mask=mask.clone())
+        assert len(calls) == 2
+        # The bits are the plan's, however it was reached (one sequence alone, planned anew).
+        alone = token_logprobs(model, ids[:1, -int(mask[0].sum()) :])
+    assert torch.equal(got[0, -alone.shape[1] :], alone[0])

@@ -17,7 +17,10 @@ SDPA call (each batch element gets the bits it gets alone — measured and check
 
 from __future__ import annotations
 
+import contextvars
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ATTENTION_NAME", "InvariantNumericsError", "Segments", "plan_segments", "register"]
+__all__ = [
+    "ATTENTION_NAME",
+    "InvariantNumericsError",
+    "Segments",
+    "plan_for",
+    "plan_segments",
+    "planned",
+    "register",
+]
 
 ATTENTION_NAME = "oldlogit_invariant"
 SEGMENTS_KWARG = "oldlogit_segments"
@@ -149,6 +160,46 @@ def plan_segments(
     rows = tuple((b, s, e + 1) for (b, s), (_, e) in zip(start_idx, end_idx, strict=True))
     out_pos = position_ids if position_ids is not None else positions
     return Segments(rows=rows, batch=batch, length=length), out_pos.to(device, torch.int64)
+
+
+# A plan made by the caller of a forward for its very inputs (``token_logprobs`` plans before
+# it calls the model): (attention_mask, position_ids, batch, length, the plan).
+_PlannedFor = tuple[Tensor | None, Tensor | None, int, int, tuple["Segments", Tensor]]
+_planned: contextvars.ContextVar[_PlannedFor | None] = contextvars.ContextVar(
+    "oldlogit_planned", default=None
+)
+
+
+@contextmanager
+def planned(
+    batch: int,
+    length: int,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    plan: tuple[Segments, Tensor],
+) -> Iterator[None]:
+    """``plan`` (``plan_segments`` of these very tensors) is what ``plan_for`` answers for them
+    for the duration: the forward does not plan the same batch a second time."""
+    token = _planned.set((attention_mask, position_ids, batch, length, plan))
+    try:
+        yield
+    finally:
+        _planned.reset(token)
+
+
+def plan_for(
+    batch: int, length: int, attention_mask: Tensor | None, position_ids: Tensor | None
+) -> tuple[Segments, Tensor]:
+    """``plan_segments``, or the plan ``planned`` holds for these same tensor objects."""
+    got = _planned.get()
+    if (
+        got is not None
+        and got[0] is attention_mask
+        and got[1] is position_ids
+        and got[2:4] == (batch, length)
+    ):
+        return got[4]
+    return plan_segments(batch, length, attention_mask, position_ids)
 
 
 def _segment_attention(

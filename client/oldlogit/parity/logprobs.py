@@ -23,7 +23,7 @@ from torch.func import functional_call
 from oldlogit.contract.numerics import SamplingParams
 
 from . import routing, tensor_parallel
-from .attention import plan_segments
+from .attention import plan_segments, planned
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
 
 __all__ = [
@@ -198,7 +198,8 @@ def token_logprobs(
     batch, length = int(input_ids.shape[0]), int(input_ids.shape[1])
     if logits_to_keep is not None and not 0 < logits_to_keep < length:
         raise ValueError(f"logits_to_keep must be in [1, {length - 1}], got {logits_to_keep}")
-    segments, _ = plan_segments(batch, length, attention_mask, position_ids)
+    plan = plan_segments(batch, length, attention_mask, position_ids)
+    segments = plan[0]
     real = torch.zeros(batch, length, dtype=torch.bool)  # [B, T]: a token of some sequence
     scored = torch.zeros(batch, length, dtype=torch.bool)  # [B, T]: has a prefix in its sequence
     for b, s, e in segments.rows:
@@ -212,7 +213,10 @@ def token_logprobs(
         for b, s, e in segments.rows:
             needed[b, s : e - 1] = True
         replay = replay_routing(model, routed_experts, needed, input_ids.device)
-    with routing.use(replay) if replay is not None else nullcontext():
+    with (
+        routing.use(replay) if replay is not None else nullcontext(),
+        planned(batch, length, attention_mask, position_ids, plan),  # the forward's plan too
+    ):
         out = _call(
             model,
             weights,

@@ -51,7 +51,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
 
 from . import attention, routing, tensor_parallel
-from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_segments
+from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_for
 from .ops import TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
 from .skeleton import buffer_digests, build_skeleton, reference_buffers
@@ -662,7 +662,7 @@ def _invariant_call(
     if ref is None:
         raise InvariantNumericsError("pass input_ids or inputs_embeds")
     batch, length = int(ref.shape[0]), int(ref.shape[1])
-    segments, positions = plan_segments(
+    segments, positions = plan_for(
         batch, length, kwargs.get("attention_mask"), kwargs.get("position_ids")
     )
     kwargs["position_ids"] = positions.to(ref.device)

@@ -158,6 +158,11 @@ class TileMode(TorchFunctionMode):
         # swapped in after the mode is entered.
         self.head = head
         self.head_fp32 = fp32
+        # What a rule applies to; every other call (views, adds, a tensor's attributes: most
+        # of a forward's few hundred) passes straight through.
+        self._ruled = frozenset({F.linear}) | (
+            frozenset() if tile_rows is None else _TOPKS | _POINTWISE | _MATMULS
+        )
 
     def __torch_function__(
         self,
@@ -166,6 +171,8 @@ class TileMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func not in self._ruled:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         if func is F.linear:
             x: Tensor = args[0] if len(args) > 0 else kwargs["input"]

@@ -48,6 +48,16 @@ class InvariantNumericsError(RuntimeError):
     """The batch-invariant forward cannot be guaranteed for this model or input."""
 
 
+@contextmanager
+def _attending() -> Iterator[None]:
+    """Marks this thread as inside the invariant attention for the duration (nestable)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
 def in_attention() -> bool:
     """True while this thread runs the invariant attention (its matmuls are per segment)."""
     return getattr(_local, "depth", 0) > 0
@@ -292,6 +302,12 @@ def invariant_attention(
     # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
     share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
     sizes, shapes, index = segments.gather_plan(share, query.device)
+    if index is None and shapes == [(batch, length)]:
+        # Every batch row is one whole sequence and they share one call: that call's inputs
+        # are the [B, H, T, D] tensors themselves, no round trip through token-major rows.
+        with _attending():
+            res = _segment_attention(query, key, value, **params)  # type: ignore[arg-type]
+        return res.transpose(1, 2).contiguous(), None  # [B, T, H, Dv]
     # Token-major rows [B*T, heads, D], gathered once for every call (one index each; the
     # backward scatters once, not once per call) and split into the calls' contiguous parts.
     q_rows = query.transpose(1, 2).reshape(batch * length, heads, head_dim)
@@ -300,8 +316,7 @@ def invariant_attention(
     if index is not None:
         q_rows, k_rows, v_rows = (r.index_select(0, index) for r in (q_rows, k_rows, v_rows))
     parts = []
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
+    with _attending():
         for (n, seg_len), q, k, v in zip(
             shapes,
             torch.split(q_rows, sizes),
@@ -320,8 +335,6 @@ def invariant_attention(
                 **params,  # type: ignore[arg-type]
             )  # [n, H, L, Dv]
             parts.append(res.transpose(1, 2).reshape(n * seg_len, heads, v_dim))
-    finally:
-        _local.depth -= 1
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [Σ n·L, H, Dv]
     if index is not None:  # padding rows stay 0
         rows = rows.new_zeros(batch * length, heads, v_dim).index_copy(0, index, rows)

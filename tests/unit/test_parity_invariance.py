@@ -113,6 +113,25 @@ def test_micro_batches_padding_and_packing_change_no_bit(arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpadded_rows_of_one_length_are_their_sequences_alone(dtype):
+    """A batch of whole rows (no padding, one length: one attention call over the [B, H, T, D]
+    tensors themselves) gives each row the bits of its sequence alone and packed."""
+    model = _model("qwen2", dtype, seed=2)
+    rng = np.random.default_rng(11)
+    with trainer_numerics(model, tile_rows=32):
+        for length in (7, 64, 90):
+            seqs = _sequences(rng, 4, lo=length, hi=length + 1)
+            batch = token_logprobs(model, torch.stack(seqs), temperature=0.8)
+            ids = torch.cat(seqs)[None]
+            pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+            packed = token_logprobs(model, ids, position_ids=pos, temperature=0.8)[0]
+            for i, s in enumerate(seqs):
+                alone = token_logprobs(model, s[None], temperature=0.8)[0]
+                assert torch.equal(batch[i], alone), (length, i)
+                assert torch.equal(packed[i * length : (i + 1) * length], alone), (length, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_to_keep_scores_the_completion_with_the_same_bits(dtype):
     """TRL's layout: prompts left-padded, completions right-padded, logits for the last K."""
     model = _model("qwen2", dtype, seed=2)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,20 @@ def start_cli(
     r = httpx.get(f"{scheme}://{srv.http}/readyz", timeout=10, verify=tls or True)
     assert r.status_code == 200
     return srv
+
+
+def start_clis(many: list[list[str]]) -> list[CliServer]:
+    """Several ``oldlogit serve`` processes started at once (as replicas of a deployment
+    are), each ready when this returns; if one fails, the others are stopped."""
+    with ThreadPoolExecutor(len(many)) as pool:
+        futures = [pool.submit(start_cli, args) for args in many]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop(signal.SIGKILL)
+        raise errors[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs
 from tests.redis_server import RedisServer
 
-from .conftest import CliServer, start_cli
+from .conftest import CliServer, start_clis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -86,7 +86,7 @@ def _start(tmp: Path, n: int = 3) -> Cluster:
         ]
         for i in range(n)
     ]
-    replicas = [start_cli(a) for a in args]
+    replicas = start_clis(args)
     return Cluster(replicas, registry, cache, args, model, base)
 
 

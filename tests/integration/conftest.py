@@ -24,7 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_ranks(
-    module: str, argv_of: Callable[[int], list[str]], world: int, *, threads: str, timeout_s: float
+    module: str,
+    argv_of: Callable[[int], list[str]],
+    world: int,
+    *,
+    threads: str,
+    timeout_s: float,
+    python: str = sys.executable,
 ) -> list[tuple[int, str]]:
     """``python -m module *argv_of(rank)`` for every rank at once (the repository on the path,
     ``threads`` CPU threads each); (exit code, output) per rank. A rank that does not finish
@@ -32,7 +38,7 @@ def run_ranks(
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, *argv_of(rank)],
+            [python, "-m", module, *argv_of(rank)],
             env=env,
             cwd=REPO,
             stdout=subprocess.PIPE,

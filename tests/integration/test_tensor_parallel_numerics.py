@@ -148,6 +148,10 @@ def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None
         assert torch.equal(seen["engine_tied"], single["engine_tied"])
         for equal, total in seen["served"].tolist():  # each service the ranks published to
             assert total > 200 and equal == total, f"{equal} of {total} tokens equal the service's"
+        # transformers' own tensor parallelism (from_pretrained(tp_plan="auto")) reduces in a
+        # library all-reduce: refused by name with and without tp_chunks, never silently run.
+        for said in seen["hf_tp_plan"]:
+            assert "transformers' own tensor parallelism" in said and "tp_plan" in said, said
 
 
 def test_tp2_bitwise_with_tp1(

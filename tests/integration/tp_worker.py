@@ -22,6 +22,7 @@ Writes OUT (``torch.save``): the logprobs of each, and whether every parameter g
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,30 @@ def fsdp_over_tp(model_dir: str, dtype: str, world: int, vocab: int) -> dict[str
         return {"fsdp_tp.raw": token_logprobs(model, ids, mask)}
 
 
+def transformers_tp_refusals(model_dir: str, dtype: str, mesh: Any) -> list[str]:
+    """The model split by transformers' own tensor parallelism (``tp_plan="auto"``) under
+    trainer_numerics, with and without tp_chunks: what each refusal says ("" if it ran)."""
+    import transformers
+
+    from oldlogit.parity import InvariantNumericsError, trainer_numerics
+
+    # transformers reads the ranks from the launcher's variables (torchrun sets them).
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), tp_plan="auto", device_mesh=mesh
+    )
+    said = []
+    for kw in ({"tp_chunks": 8}, {}):
+        try:
+            with trainer_numerics(model, **kw):
+                pass
+            said.append("")
+        except InvariantNumericsError as e:
+            said.append(str(e))
+    return said
+
+
 def main(argv: list[str]) -> None:
     rank, world, init_file, model_dir, dtype, out, tied_dir, urls = argv
     torch.set_num_threads(1)
@@ -203,10 +228,30 @@ def main(argv: list[str]) -> None:
     seen.update(fsdp_over_tp(model_dir, dtype, int(world), vocab))
     trainer = build_trainer(model_dir, dtype, mesh, False)
     seen.update(served(trainer, vocab, urls.split(","), 20 + int(world)))
+    seen["hf_tp_plan"] = transformers_tp_refusals(model_dir, dtype, mesh)
     torch.save(seen, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def main_transformers_tp(argv: list[str]) -> None:
+    """``hf-tp-plan RANK WORLD INIT_FILE MODEL_DIR OUT``: only ``transformers_tp_refusals``
+    (tests/integration/test_parity_oldest_transformers.py runs it on the oldest transformers)."""
+    rank, world, init_file, model_dir, out = argv
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=int(rank), world_size=int(world)
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (int(world),))
+    torch.save({"hf_tp_plan": transformers_tp_refusals(model_dir, "bfloat16", mesh)}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1] == "hf-tp-plan":
+        main_transformers_tp(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

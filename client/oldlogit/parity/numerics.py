@@ -506,6 +506,7 @@ def patch_numerics(
         tp_chunks = like.tp_chunks
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
+    tensor_parallel.refuse_transformers_tp(core)  # silently other bits, strict or not
     if strict:
         _refuse_foreign_code(core)
     if _compiled(model) or _compiled(core):

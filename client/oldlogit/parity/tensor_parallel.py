@@ -245,6 +245,31 @@ def rowwise_modules(core: nn.Module) -> dict[str, nn.Linear]:
     return found
 
 
+# Where transformers' own tensor parallelism (``from_pretrained(..., tp_plan=...)``) puts the
+# code that splits a module: forward hooks (transformers 5.5–5.22, plain local shards) or a
+# replaced forward (later releases, DTensor parameters).
+_TRANSFORMERS_TP = ("transformers.integrations.tensor_parallel", "transformers.distributed")
+
+
+def refuse_transformers_tp(core: nn.Module) -> None:
+    """Refuse, by name, a model split by transformers' own tensor parallelism: its row-parallel
+    layers all-reduce their partial sums with ``torch.distributed`` (an order no definition
+    fixes), and its shards may be plain tensors that do not say they are split — the
+    numerics would run and silently give other bits than one device."""
+    for name, module in core.named_modules():
+        code = [module.__dict__.get("forward")]
+        code += [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        if any(str(getattr(fn, "__module__", "")).startswith(_TRANSFORMERS_TP) for fn in code):
+            raise TensorParallelError(
+                f"{name or type(core).__name__} is split by transformers' own tensor "
+                "parallelism (from_pretrained(..., tp_plan=...)): its row-parallel layers "
+                "all-reduce partial sums with torch.distributed, in an order oldlogit cannot "
+                "fix. Load the model without tp_plan and split it with torch's "
+                "parallelize_module (ColwiseParallel / RowwiseParallel over a DeviceMesh; "
+                "docs/trainers.md), then trainer_numerics(model, tp_chunks=8)"
+            )
+
+
 @dataclass(frozen=True)
 class ShardRules:
     """How each canonical weight name splits over ranks: dim 0 (a column-parallel weight or

@@ -138,7 +138,7 @@ def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None
     # TP 1: the engine is the trainer.
     assert torch.equal(single["engine"], _trainer_as_engine(single, "trainer"))
     for seen in ranks:
-        for key in ("trainer", "trainer_local_head"):
+        for key in ("trainer", "trainer_local_head", "trainer_sequence_parallel"):
             assert torch.equal(seen[f"{key}.raw"], single["trainer.raw"]), key
             assert torch.equal(seen[f"{key}.processed"], single["trainer.processed"]), key
             grads, params = seen[f"{key}.grads"].tolist()

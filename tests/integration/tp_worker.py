@@ -52,11 +52,19 @@ def left_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 PROCESSED: dict[str, Any] = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
 
 
-def trainer_logprobs(model: torch.nn.Module, vocab: int) -> dict[str, torch.Tensor]:
-    """Raw and processed π of the samples, then a backward of their sum."""
+def trainer_logprobs(
+    model: torch.nn.Module, vocab: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """Raw and processed π of the samples, then a backward of their sum. ``multiple``: the
+    batch left-padded to a length it divides (sequence parallelism splits the sequence
+    dimension evenly; torch's collectives fail on uneven splits), the extra columns dropped
+    from the answers."""
     from oldlogit.parity import token_logprobs, trainer_numerics
 
     ids, mask = left_padded(samples(vocab))
+    extra = -ids.shape[1] % multiple
+    ids = torch.cat([ids.new_zeros(ids.shape[0], extra), ids], dim=1)
+    mask = torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
     with trainer_numerics(model, tp_chunks=8):
         with torch.no_grad():
             raw = token_logprobs(model, ids, mask)
@@ -67,6 +75,7 @@ def trainer_logprobs(model: torch.nn.Module, vocab: int) -> dict[str, torch.Tens
     grads = sum(p.grad is not None for p in model.parameters())
     params = sum(1 for _ in model.parameters())
     assert torch.equal(again.detach(), raw), "the graph-recording forward gave other bits"
+    raw, processed = raw[:, extra:], processed[:, extra:]
     return {"raw": raw, "processed": processed, "grads": torch.tensor([grads, params])}
 
 
@@ -135,30 +144,50 @@ def engine_logprobs(model_dir: str, dtype: str, tp: Any) -> dict[str, torch.Tens
     return {"engine": torch.cat(out)}
 
 
-def build_trainer(model_dir: str, dtype: str, mesh: Any, local_head: bool) -> torch.nn.Module:
+def build_trainer(
+    model_dir: str, dtype: str, mesh: Any, local_head: bool, sequence_parallel: bool = False
+) -> torch.nn.Module:
+    """torchtitan's plan; ``sequence_parallel``: its sequence-parallel form too (norms on
+    sequence shards, row-parallel outputs reduce-scattered by sequence, the attention and MLP
+    inputs gathered back)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1))
         if local_head
-        else ColwiseParallel(output_layouts=Replicate()),
+        else ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     }
+    if sequence_parallel:
+        plan["model.norm"] = SequenceParallel()
     for i in range(len(model.model.layers)):
         p = f"model.layers.{i}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             plan[p + name] = ColwiseParallel()
-        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
         plan[p + "mlp.gate_proj"] = ColwiseParallel()
         plan[p + "mlp.up_proj"] = ColwiseParallel()
-        plan[p + "mlp.down_proj"] = RowwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            plan[p + "input_layernorm"] = SequenceParallel()
+            plan[p + "post_attention_layernorm"] = SequenceParallel()
+            plan[p + "self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+            plan[p + "mlp"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+            )
     parallelize_module(model, mesh, plan)
     model.train()
     return model
@@ -220,8 +249,13 @@ def main(argv: list[str]) -> None:
     tp = tensor_parallel.TensorParallel(dist.group.WORLD, int(rank), int(world))
     seen: dict[str, Any] = {}
     vocab = int(build_trainer(model_dir, dtype, mesh, False).config.vocab_size)
-    for key, local_head in (("trainer", False), ("trainer_local_head", True)):
-        got = trainer_logprobs(build_trainer(model_dir, dtype, mesh, local_head), vocab)
+    for key, local_head, sp in (
+        ("trainer", False, False),
+        ("trainer_local_head", True, False),
+        ("trainer_sequence_parallel", False, True),
+    ):
+        trainer = build_trainer(model_dir, dtype, mesh, local_head, sp)
+        got = trainer_logprobs(trainer, vocab, int(world) if sp else 1)
         seen.update({f"{key}.{k}": v for k, v in got.items()})
     seen.update(engine_logprobs(model_dir, dtype, tp))
     seen["engine_tied"] = engine_logprobs(tied_dir, dtype, tp)["engine"]

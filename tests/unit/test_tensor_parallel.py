@@ -62,6 +62,30 @@ def test_good_degrees_pass() -> None:
         check_degree(_config(), degree, 8)
 
 
+@pytest.mark.parametrize(
+    ("arch", "named"),
+    [
+        ("olmo2", "'colwise_gather_output'"),  # q/k norms over the whole projection
+        ("phi3", "'colwise_gather_output'|'rowwise_split_input'"),  # fused qkv, gate/up
+        ("qwen2", None),
+        ("llama", None),
+        ("gemma3_text", None),
+    ],
+)
+def test_service_ranks_refuse_plans_their_shards_cannot_run(arch: str, named: str | None) -> None:
+    """The service's ranks hold plain contiguous shards: a decoder layer whose plan style asks
+    for a gathered output or a split input (the model's code needs the whole projection) is
+    refused by name at start-up; plain column/row plans pass."""
+    from tests.architectures import hf_model
+
+    model = hf_model(arch)
+    if named is None:
+        tensor_parallel.check_rank_shards(model)
+    else:
+        with pytest.raises(TensorParallelError, match=named):
+            tensor_parallel.check_rank_shards(model)
+
+
 def test_model_without_a_plan_refused() -> None:
     model = transformers.AutoModelForCausalLM.from_config(_config())
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise"}

@@ -63,6 +63,7 @@ __all__ = [
     "TensorParallelError",
     "active",
     "check_degree",
+    "check_rank_shards",
     "chunk_stats",
     "chunked_logprobs",
     "column_linear",
@@ -220,6 +221,35 @@ def _plan_patterns(core: nn.Module) -> dict[str, str]:
 
 def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
+def check_rank_shards(core: nn.Module) -> None:
+    """Refuse, by name, a model whose decoder the service's ranks cannot run on plain shards
+    (``shard_rules``: every linear split by output, the plan's rowwise ones by input): a
+    decoder linear its plan gives any other style ("colwise_gather_output",
+    "rowwise_split_input", "packed_colwise", …) is one whose code needs the whole output, or
+    a weight packed from several parts, so a contiguous half would compute something else.
+    (The head is not the decoder's: its vocabulary rows are gathered by the definition.)
+    A trainer's own ``parallelize_module`` plan carries such gathers itself, so this is the
+    service's check only."""
+    config = getattr(core, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    other = {pattern: str(style) for pattern, style in base.items()}
+    other = {k: v for k, v in other.items() if v not in ("colwise", "rowwise")}
+    prefix = str(getattr(core, "base_model_prefix", "") or "")
+    for name, module in core.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        local = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        for pattern, style in other.items():
+            if _matches(pattern, local):
+                model_type = getattr(config, "model_type", type(core).__name__)
+                raise TensorParallelError(
+                    f"tensor_parallel: {model_type}'s plan gives {name} the style {style!r}: "
+                    "the service's ranks hold plain column and row shards, which this layer's "
+                    "code cannot use. Serve it at --tensor-parallel 1 with --tp-chunks "
+                    "(the same bits as any degree)"
+                )
 
 
 def rowwise_modules(core: nn.Module) -> dict[str, nn.Linear]:

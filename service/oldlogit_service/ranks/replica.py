@@ -4,8 +4,10 @@ In: the settings (``tensor_parallel`` > 1) and the model directory. Out: ``Repli
 front's model, the store the runtime and intake use (``FrontStore``), the scheduler's weights
 source and engine (``Front``, ``ShardedEngine``) — or a start-up error naming the setting or
 the rank. Bad setups are refused before any rank starts: the degree against the heads, the KV
-heads and the chunk count (``check_degree``), MoE models. A head tied to the embeddings is
-held whole with the replicated embedding; each rank takes its vocabulary rows at the forward.
+heads and the chunk count (``check_degree``), MoE models, a decoder layer whose plan style
+needs more than a plain column or row shard (``check_rank_shards``). A head tied to the
+embeddings is held whole with the replicated embedding; each rank takes its vocabulary rows at
+the forward.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import cast
 
 import torch
 
-from oldlogit.parity.tensor_parallel import check_degree
+from oldlogit.parity.tensor_parallel import check_degree, check_rank_shards
 from oldlogit_service.config import Settings
 from oldlogit_service.model.engine import Engine, self_check
 from oldlogit_service.model.loaded import LoadedModel
@@ -65,6 +67,8 @@ def check_setup(settings: Settings, model: LoadedModel) -> None:
     """Refuse, naming the setting, what a tensor-parallel replica cannot serve."""
     degree = settings.tensor_parallel
     check_degree(model.module.config, degree, settings.tp_chunks)
+    if degree > 1:
+        check_rank_shards(model.module)
 
 
 def open_replica(settings: Settings, model_dir: Path, device: torch.device) -> Replica:

@@ -2,7 +2,9 @@
 tests/architectures.py, split at TP 2 by torch's ``parallelize_module`` after the model's own
 plan (two gloo ranks, one thread each; tests/integration/tp_arch_worker.py), gives the bits of
 the unsplit model under ``trainer_numerics(tp_chunks=8)`` in this process (two threads) on
-every token, raw and processed, and its backward reaches every parameter. What the split must
+every token, raw and processed, and its backward reaches every parameter; the service's engine
+on each rank's weight shards (one thread) gives the bits of one engine on whole weights (two
+threads), over packed sequences of lengths 3 to 70. What the split must
 carry differs: attention and MLP biases (llama), sliding windows narrower than the sequences
 (qwen2, qwen3, mistral, gemma2, gemma3, phi3), per-head q/k norms (qwen3), a head tied to the
 embedding (gemma), attention and final logit soft-capping (gemma2), mixed layer types
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from tests.architectures import model_dir
-from tests.integration import tp_arch_worker
+from tests.integration import tp_arch_worker, tp_worker
 from tests.integration.conftest import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -42,9 +44,10 @@ FAMILIES = (
 def test_every_dense_family_at_tp2_is_its_tp1_bits(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from oldlogit.parity import token_logprobs, trainer_numerics
+    from oldlogit.parity import tensor_parallel, token_logprobs, trainer_numerics
 
-    single = {}
+    whole = tensor_parallel.TensorParallel()
+    single, engines = {}, {}
     for arch in FAMILIES:
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir(tmp_path / arch, arch)), dtype=torch.float32
@@ -55,6 +58,8 @@ def test_every_dense_family_at_tp2_is_its_tp1_bits(tmp_path: Path) -> None:
                 token_logprobs(model, ids, temperature=0.8),
                 token_logprobs(model, ids, **tp_arch_worker.PROCESSED),  # type: ignore[arg-type]
             )
+        if arch not in tp_arch_worker.RANKS_REFUSE:
+            engines[arch] = tp_worker.engine_logprobs(str(tmp_path / arch), "float32", whole)
 
     def argv(rank: int) -> list[str]:
         out = str(tmp_path / f"rank{rank}.pt")
@@ -69,5 +74,7 @@ def test_every_dense_family_at_tp2_is_its_tp1_bits(tmp_path: Path) -> None:
             assert torch.isinf(processed).any(), arch  # top-k/top-p removed some targets
             assert torch.equal(seen[arch]["raw"], raw), (arch, rank)
             assert torch.equal(seen[arch]["processed"], processed), (arch, rank)
+            if arch in engines:  # the service's ranks (1 thread) vs one engine (2 threads)
+                assert torch.equal(seen[arch]["engine"], engines[arch]["engine"]), (arch, rank)
             grads, params = seen[arch]["grads"].tolist()
             assert grads == params, f"{arch}: {grads} of {params} parameters got a gradient"

@@ -4,8 +4,9 @@
 family's model (``ROOT/ARCH``, tests/architectures.py) split by torch's ``parallelize_module``
 after the model's own tensor-parallel plan (its config's ``base_model_tp_plan``, translated
 to torch's styles by ``torch_plan``), then ``token_logprobs`` under
-``trainer_numerics(model, tp_chunks=8)``, raw and processed, and a backward; saves
-{ARCH: {"raw", "processed", "grads"}} to OUT (or {ARCH: {"error": message}}).
+``trainer_numerics(model, tp_chunks=8)``, raw and processed, and a backward; and the
+service's engine on this rank's weight shards (``tp_worker.engine_logprobs``) for the families
+its ranks serve. Saves {ARCH: {"raw", "processed", "grads"[, "engine"]}} to OUT.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 PROCESSED = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+# Families the service's ranks refuse by name (their plan needs gathered projections).
+RANKS_REFUSE = ("olmo2", "phi3")
 
 
 def samples(vocab: int) -> torch.Tensor:
@@ -78,11 +81,17 @@ def main(argv: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     mesh = init_device_mesh("cpu", (int(world),))
+    from oldlogit.parity import tensor_parallel
+    from tests.integration import tp_worker
+
+    tp = tensor_parallel.TensorParallel(dist.group.WORLD, int(rank), int(world))
     seen: dict[str, dict[str, Any]] = {}
     for arch in archs:
         model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", dtype=torch.float32)
         parallelize_module(model, mesh, torch_plan(model))
         seen[arch] = logprobs(model)
+        if arch not in RANKS_REFUSE:  # the service's engine on this rank's plain shards
+            seen[arch].update(tp_worker.engine_logprobs(f"{root}/{arch}", "float32", tp))
     torch.save(seen, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -63,6 +63,61 @@ def in_attention() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+@contextmanager
+def thread_count_free(on: bool) -> Iterator[None]:
+    """For the duration, this thread's attention calls give the bits of a one-thread run on
+    CPU (the tensor-parallel definition: its ranks run fewer threads than one process)."""
+    before = getattr(_local, "thread_free", False)
+    _local.thread_free = on
+    try:
+        yield
+    finally:
+        _local.thread_free = before
+
+
+# Kernel calls (shapes, dtype, the call's settings, thread count) → whether this thread count
+# gives a one-thread run's bits; measured once each on seeded random inputs of those shapes.
+_threads_agree: dict[tuple[Any, ...], bool] = {}
+_threads_lock = threading.Lock()
+
+
+def _one_thread_bits(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) -> Tensor:
+    """``_segment_attention`` with the bits of a one-thread run. CPU attention kernels may
+    split their work by thread count (measured: fp32 SDPA at head_dim 8 and odd lengths 9–31
+    gives other bits at 2 threads than at 1), so each call shape is compared once against one
+    thread; where they differ, that shape runs on one thread."""
+    threads = torch.get_num_threads()
+    if q.device.type != "cpu" or threads == 1:
+        return _segment_attention(q, k, v, **params)
+    key = (
+        tuple(q.shape),
+        tuple(k.shape),
+        tuple(v.shape),
+        q.dtype,
+        tuple(sorted(params.items())),
+        threads,
+    )
+    agree = _threads_agree.get(key)
+    if agree is None:
+        with _threads_lock, torch.no_grad():
+            gen = torch.Generator().manual_seed(len(_threads_agree) + 1)
+            probe = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in (q, k, v)]
+            here = _segment_attention(*probe, **params)
+            torch.set_num_threads(1)
+            try:
+                one = _segment_attention(*probe, **params)
+            finally:
+                torch.set_num_threads(threads)
+            agree = _threads_agree[key] = bool(torch.equal(here, one))
+    if agree:
+        return _segment_attention(q, k, v, **params)
+    torch.set_num_threads(1)
+    try:
+        return _segment_attention(q, k, v, **params)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclass(frozen=True)
 class Segments:
     """The sequences of a [B, T] batch: (batch row, start, end) each, end exclusive."""
@@ -247,6 +302,10 @@ def _segment_attention(
     return torch.matmul(probs, v)
 
 
+def _plain_call(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) -> Tensor:
+    return _segment_attention(q, k, v, **params)
+
+
 def _causal_mask(length: int, window: int | None, device: torch.device) -> Tensor:
     """[L, L] bool, True where query i may see key j: j ≤ i (and i − j < window)."""
     i = torch.arange(length, device=device)[:, None]
@@ -301,12 +360,13 @@ def invariant_attention(
     # Sequences of one length share a kernel call where that is proven bitwise equal to calling
     # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
     share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
+    attend = _one_thread_bits if getattr(_local, "thread_free", False) else _plain_call
     sizes, shapes, index = segments.gather_plan(share, query.device)
     if index is None and shapes == [(batch, length)]:
         # Every batch row is one whole sequence and they share one call: that call's inputs
         # are the [B, H, T, D] tensors themselves, no round trip through token-major rows.
         with _attending():
-            res = _segment_attention(query, key, value, **params)  # type: ignore[arg-type]
+            res = attend(query, key, value, params)
         return res.transpose(1, 2).contiguous(), None  # [B, T, H, Dv]
     # Token-major rows [B*T, heads, D], gathered once for every call (one index each; the
     # backward scatters once, not once per call) and split into the calls' contiguous parts.
@@ -328,12 +388,7 @@ def invariant_attention(
             def calls(rows: Tensor, n: int = n, seg_len: int = seg_len) -> Tensor:
                 return rows.view(n, seg_len, *rows.shape[1:]).transpose(1, 2)  # [n, h, L, D]
 
-            res = _segment_attention(
-                calls(q),
-                calls(k),
-                calls(v),
-                **params,  # type: ignore[arg-type]
-            )  # [n, H, L, Dv]
+            res = attend(calls(q), calls(k), calls(v), params)  # [n, H, L, Dv]
             parts.append(res.transpose(1, 2).reshape(n * seg_len, heads, v_dim))
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [Σ n·L, H, Dv]
     if index is not None:  # padding rows stay 0

@@ -125,7 +125,10 @@ def _tile_mode(patch: NumericsPatch | None, head: nn.Module | None, fp32: bool) 
         strict = patch.strict if patch is not None else False
         tp_chunks = patch.tp_chunks if patch is not None else 0
         tied = patch.tied_head if patch is not None else False
-        with TileMode(tile_rows, strict, head, fp32, tp_chunks, tied):
+        with (
+            TileMode(tile_rows, strict, head, fp32, tp_chunks, tied),
+            attention.thread_count_free(tp_chunks > 0),
+        ):
             yield
     finally:
         _mode_depth.n = 0

@@ -27,7 +27,9 @@ option ``NumericsSpec.tp_chunks`` (C, default ``DEFAULT_TP_CHUNKS`` = 8; any deg
 - **CPU threads**: ranks run with fewer threads than one process. Each GEMM shape's tile is
   checked once against a one-thread run (``_threads_verified``) and refused by name if a
   thread count changes its bits; pointwise ops run in blocks one thread computes
-  (``ops.blockwise``); reductions run one row per thread (below torch's parallel grain). So the
+  (``ops.blockwise``); reductions run one row per thread (below torch's parallel grain);
+  attention gives a one-thread run's bits (``attention.thread_count_free``: each call shape
+  compared once, one that differs runs on one thread). So the
   definition's bits do not depend on the thread count, and ``NumericsSpec`` does not compare
   threads between two tensor-parallel sides.
 - **MoE layers** are refused by name (``check_degree``); embeddings, norms and rotary tables

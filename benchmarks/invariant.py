@@ -39,26 +39,33 @@ def _plain_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
+def fp32_model_dir(root: Path, hidden: int, vocab: int) -> Path:
+    """invariant-vs-plain's float32 model: Qwen2, 4 layers, ``hidden`` wide (heads of 32)."""
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(
+        root / "inv-fp32",
+        arch="qwen2",
+        seed=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=4,
+        num_heads=max(1, hidden // 64) * 2,
+        num_kv_heads=max(1, hidden // 64),
+        intermediate_size=3 * hidden,
+        max_positions=4096,
+        dtype="float32",
+        initializer_range=0.02,
+    )
+
+
 def models(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     """The figure's two model directories: "fp32" (small) and "bf16" (0.5B layer shapes)."""
     from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     h, v = args.invariant_small
     return {
-        "fp32": make_tiny_model_dir(
-            root / "inv-fp32",
-            arch="qwen2",
-            seed=0,
-            vocab_size=v,
-            hidden_size=h,
-            num_layers=4,
-            num_heads=max(1, h // 64) * 2,
-            num_kv_heads=max(1, h // 64),
-            intermediate_size=3 * h,
-            max_positions=4096,
-            dtype="float32",
-            initializer_range=0.02,
-        ),
+        "fp32": fp32_model_dir(root, h, v),
         "bf16": make_tiny_model_dir(
             root / "inv-bf16",
             arch="qwen2",

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from benchmarks.invariant import _plain_logprobs
+from benchmarks.invariant import _plain_logprobs, fp32_model_dir
 
 
 class _PassThrough(TorchFunctionMode):
@@ -48,7 +48,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from oldlogit.parity import token_logprobs, trainer_numerics
     from oldlogit.parity.ops import TileMode
-    from oldlogit_service.demo.tiny import make_tiny_model_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=1)
@@ -56,20 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=25)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    model_dir = make_tiny_model_dir(
-        Path(tempfile.mkdtemp(prefix="oldlogit-overhead-")) / "m",
-        arch="qwen2",
-        seed=0,
-        vocab_size=4096,
-        hidden_size=256,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=768,
-        max_positions=4096,
-        dtype="float32",
-        initializer_range=0.02,
-    )
+    model_dir = fp32_model_dir(Path(tempfile.mkdtemp(prefix="oldlogit-overhead-")), 256, 4096)
     model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.randint(
         0, 4096, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0)

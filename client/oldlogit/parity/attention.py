@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,17 +103,20 @@ def _one_thread_bits(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) ->
             gen = torch.Generator().manual_seed(len(_threads_agree) + 1)
             probe = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in (q, k, v)]
             here = _segment_attention(*probe, **params)
-            torch.set_num_threads(1)
-            try:
+            with one_thread():
                 one = _segment_attention(*probe, **params)
-            finally:
-                torch.set_num_threads(threads)
             agree = _threads_agree[key] = bool(torch.equal(here, one))
-    if agree:
+    with nullcontext() if agree else one_thread():
         return _segment_attention(q, k, v, **params)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread for the duration (the thread count restored after)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _segment_attention(q, k, v, **params)
+        yield
     finally:
         torch.set_num_threads(threads)
 

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from oldlogit.contract.numerics import DEFAULT_TP_CHUNKS
 
-from .attention import InvariantNumericsError
+from .attention import InvariantNumericsError, one_thread
 from .pointwise import blockwise
 from .tiles import tiled_linear, tiled_mm
 
@@ -236,8 +236,7 @@ def check_rank_shards(core: nn.Module) -> None:
     service's check only."""
     config = getattr(core, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
-    other = {pattern: str(style) for pattern, style in base.items()}
-    other = {k: v for k, v in other.items() if v not in ("colwise", "rowwise")}
+    other = {k: str(v) for k, v in base.items() if str(v) not in ("colwise", "rowwise")}
     prefix = str(getattr(core, "base_model_prefix", "") or "")
     for name, module in core.named_modules():
         if not isinstance(module, nn.Linear):
@@ -442,11 +441,8 @@ def _threads_verified(
         w = _probe((n, k), dtype, device, n + 1)
         b = _probe((n,), dtype, device, 7) if bias else None
         here = tiled_mm(x, w, tile_rows, b)
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             one = tiled_mm(x, w, tile_rows, b)
-        finally:
-            torch.set_num_threads(threads)
         _verified[key] = bool(torch.equal(here, one))
     if not _verified[key]:
         raise TensorParallelError(

@@ -163,6 +163,49 @@ def test_packed_forwards_respect_the_token_budget(tiny_loaded_factory):
         assert np.array_equal(out.numpy(), ref)
 
 
+def test_cpu_forwards_are_cache_sized_blocks_of_the_batch(tiny_loaded_factory, monkeypatch):
+    """On CPU a batch runs as forwards of at most ``forward_tokens`` tokens (the widest
+    activation within ``CPU_FORWARD_BYTES``), a whole number of tiles, with the bits of one
+    forward over the whole batch."""
+    from oldlogit_service.model import engine as engine_mod
+
+    model, weights = tiny_loaded_factory()
+    assert engine_mod.cpu_forward_tokens(
+        {"hidden_size": 256, "intermediate_size": 768}, torch.float32, 64
+    ) == 4096
+    assert engine_mod.cpu_forward_tokens(  # a multimodal config's text model; never below 512
+        {"text_config": {"hidden_size": 4096, "intermediate_size": 14336}}, torch.bfloat16, 64
+    ) == 512
+    rng = np.random.default_rng(5)
+    jobs = []
+    for n in (300, 41, 250, 200, 77, 512):
+        ids = torch.from_numpy(rng.integers(0, model.vocab_size, n).astype(np.int64))
+        jobs.append(Job(ids, torch.arange(1, n)))
+    whole = Engine(model, max_batch_tokens=4096)
+    assert whole.forward_tokens == min(
+        4096, engine_mod.cpu_forward_tokens(model.config, model.dtype, model.tile_rows or 0)
+    )
+    whole.forward_tokens = 4096  # one forward of everything
+    monkeypatch.setattr(engine_mod, "CPU_FORWARD_BYTES", 600 * 4 * model.config["intermediate_size"])
+    blocked = Engine(model, max_batch_tokens=4096)
+    assert blocked.forward_tokens == 576  # 600 rounded down to whole 64-row tiles
+    calls: list[int] = []
+    decoder = model.module.get_decoder()
+    handle = decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(int(kw["input_ids"].shape[1])), with_kwargs=True
+    )
+    try:
+        outs = blocked.run(weights, jobs)
+        assert calls == [341, 527, 512]  # in order, ≤ 576 tokens each
+        calls.clear()
+        ref = whole.run(weights, jobs)
+        assert calls == [1380]
+    finally:
+        handle.remove()
+    for a, b in zip(outs, ref, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("numerics", ["invariant", "hf"])
 def test_empty_inputs(tiny_loaded_factory, numerics):
     tiny_model, tiny_weights = tiny_loaded_factory(numerics=numerics)

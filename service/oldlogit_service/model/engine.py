@@ -73,6 +73,27 @@ EngineMode = Literal["deterministic", "fast"]
 # which rows share the call, and the padded path makes no bitwise promise.
 HEAD_LOGITS_BYTES = 256 * 1024**2
 
+# On CPU a packed forward covers at most this many bytes of its widest activation ([tokens,
+# intermediate]), so that the pointwise steps between GEMMs (norms, rotary, SiLU × up) work in
+# cache instead of streaming hundreds of MB through memory, and the GEMMs get cache-sized row
+# blocks: measured on a 2-core CPU (hidden 256, fp32, 64 × 512 tokens), 32,768-token forwards
+# took 4.7 s and 4,096-token ones 2.7-2.9 s for the same bits. Not numerics: under the
+# invariant profile a row's bits do not depend on what else is packed. A GPU keeps whole
+# batches (``max_batch_tokens``).
+CPU_FORWARD_BYTES = 12 * 1024**2
+
+
+def cpu_forward_tokens(config: Mapping[str, object], dtype: torch.dtype, tile_rows: int) -> int:
+    """Tokens per packed forward on CPU (``CPU_FORWARD_BYTES``), a whole number of tiles, at
+    least 512."""
+    text = config.get("text_config")
+    cfg = text if isinstance(text, Mapping) else config
+    widths = [cfg.get("intermediate_size"), cfg.get("hidden_size")]
+    width = max((int(w) for w in widths if isinstance(w, int) and w > 0), default=4096)
+    tokens = CPU_FORWARD_BYTES // (width * torch.empty((), dtype=dtype).element_size())
+    tile = max(1, tile_rows)
+    return max(512, tokens - tokens % tile)
+
 
 class NumericsCheckFailed(RuntimeError):
     """A packed batch differs from the same sequences run alone: the invariant profile cannot
@@ -139,6 +160,14 @@ class Engine:
         self.lm_head_fp32 = lm_head_fp32
         self.head_chunk_rows = head_chunk_rows
         self.max_batch_tokens = max_batch_tokens
+        # Tokens per packed forward (the invariant profile): the batch on a GPU, cache-sized
+        # blocks of it on CPU (``CPU_FORWARD_BYTES``).
+        self.forward_tokens = max_batch_tokens
+        if model.device.type == "cpu":
+            self.forward_tokens = min(
+                max_batch_tokens,
+                cpu_forward_tokens(model.config, model.dtype, model.tile_rows or 0),
+            )
         self.head_rows = max(1, HEAD_LOGITS_BYTES // (4 * max(1, model.vocab_size)))
         tile = model.tile_rows or 0
         if tile and self.head_rows > tile:
@@ -221,7 +250,7 @@ class Engine:
     ) -> list[Tensor]:
         device = self.model.device
         outs: list[Tensor] = [torch.empty(0)] * len(jobs)
-        for batch in _token_batches(groups, self.max_batch_tokens):
+        for batch in _token_batches(groups, self.forward_tokens):
             lengths = [int(g.token_ids.shape[0]) for g in batch]
             ids = torch.cat([g.token_ids for g in batch])  # [N]: the sequences back to back
             pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])  # [N]

@@ -70,6 +70,52 @@ def test_functional_forward_is_bitwise_the_hf_model(tiny_model_factory, tiny_loa
     assert head_weight is weights[expected_name]
 
 
+def test_bound_weights_binds_as_functional_call_does():
+    """``bound_weights`` binds as ``functional_call`` for the block (a tied name binds its whole tie
+    group, a buffer binds, a name not given keeps the module's own), everything restored after,
+    also on an exception; conflicting tied values and unknown names are refused."""
+    from torch.func import functional_call
+
+    from oldlogit.parity.skeleton import bound_weights
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(3, 3, bias=False)
+            self.head = nn.Linear(3, 3)
+            self.head.weight = self.emb.weight  # tied
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x)) * self.scale
+
+    net = Net()
+    own = {n: t for n, t in net.named_parameters(remove_duplicate=False)}
+    x = torch.randn(2, 3)
+    w = torch.randn(3, 3)
+    given = {"head.weight": w, "head.bias": torch.randn(3), "scale": torch.tensor(3.0)}
+    with bound_weights(net, given):
+        got = net(x)
+        assert net.emb.weight is w and net.head.weight is w  # the tie group, bound together
+    assert torch.equal(got, functional_call(net, given, (x,)))
+    for n, t in net.named_parameters(remove_duplicate=False):
+        assert t is own[n]
+    assert float(net.scale) == 2.0
+    partial = {"head.bias": torch.zeros(3)}  # the rest keeps the module's own
+    with bound_weights(net, partial):
+        assert torch.equal(net(x), functional_call(net, partial, (x,)))
+    with pytest.raises(RuntimeError, match="inside"), bound_weights(net, given):
+        raise RuntimeError("inside")
+    assert net.head.weight is own["head.weight"] and float(net.scale) == 2.0
+    with pytest.raises(ValueError, match="tied"), bound_weights(
+        net, {"emb.weight": w, "head.weight": w.clone()}
+    ):
+        pass
+    with bound_weights(net, {"extra": w, "head.bias": torch.zeros(3)}):  # functional_call's way
+        assert net.extra is w and torch.equal(net.head.bias, torch.zeros(3))
+    assert not hasattr(net, "extra") and net.head.weight is own["head.weight"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_param_specs_and_metadata(tiny_model_factory, dtype, tie):

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from oldlogit.contract.numerics import SamplingParams
 
 from . import routing, tensor_parallel
 from .attention import plan_segments, planned
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
+from .skeleton import bound_weights
 
 __all__ = [
     "PROCESS_ROWS",
@@ -150,7 +150,8 @@ def _call(
     def run() -> Any:
         if weights is None:
             return model(**kwargs)
-        return functional_call(model, dict(weights), args=(), kwargs=kwargs)
+        with bound_weights(model, weights):
+            return model(**kwargs)
 
     patch = active_patch(model)
     if patch is None:
@@ -183,7 +184,8 @@ def token_logprobs(
     and −inf for a token outside the top-k/top-p support. With ``logits_to_keep=K`` only the
     last K tokens are scored (TRL's completion layout) and the result is [B, K].
     ``lm_head_fp32`` defaults to the patch's setting (plain model: off). ``weights`` runs the
-    model with these tensors instead of its own (``torch.func.functional_call``).
+    model with these tensors instead of its own (``skeleton.bound_weights``, as
+    ``torch.func.functional_call`` would).
     Under ``trainer_numerics`` the values are bitwise equal to the service's answer for the
     same sequence, whatever the batch, padding side or packing.
     ``routed_experts`` (MoE models, under ``trainer_numerics``): [B, T, L, k] expert ids

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import re
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from oldlogit.contract.numerics import BUFFER_CONVENTION
 
 __all__ = [
     "BUFFER_CONVENTION",
+    "bound_weights",
     "buffer_digests",
     "build_skeleton",
     "keep_in_fp32",
@@ -33,6 +35,83 @@ __all__ = [
 ]
 
 _META_LOCK = threading.Lock()
+
+
+class _Slots:
+    """Where each tensor name of a module lives: the (table, attribute) places of its tie group
+    (every name under which the same Parameter is reachable; a buffer is a group of its own),
+    the table being a submodule's ``_parameters`` or ``_buffers`` dict. Computed once."""
+
+    def __init__(self, module: nn.Module) -> None:
+        groups: dict[int, list[tuple[str, dict[str, Any], str]]] = {}
+        for prefix, mod in module.named_modules(remove_duplicate=False):
+            for table in (mod._parameters, mod._buffers):
+                for attr, t in table.items():
+                    if t is not None:
+                        full = f"{prefix}.{attr}" if prefix else attr
+                        groups.setdefault(id(t), []).append((full, table, attr))
+        self.places: dict[str, tuple[tuple[dict[str, Any], str], ...]] = {}
+        self.group: dict[str, int] = {}  # name -> its tie group
+        self.owner: dict[str, Any] = {}  # name -> the tensor it had when mapped
+        for gid, group in enumerate(groups.values()):
+            places = tuple((table, attr) for _, table, attr in group)
+            table, attr = places[0]
+            for full, _, _ in group:
+                self.places[full] = places
+                self.group[full] = gid
+                self.owner[full] = table[attr]
+
+    def current(self, names: Iterator[str]) -> bool:
+        """Whether the given names are all mapped and still hold what they held then."""
+        for name in names:
+            places = self.places.get(name)
+            if places is None:
+                return False
+            table, attr = places[0]
+            if table.get(attr) is not self.owner[name]:
+                return False
+        return True
+
+
+_slots: weakref.WeakKeyDictionary[nn.Module, _Slots] = weakref.WeakKeyDictionary()
+_slots_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def bound_weights(module: nn.Module, weights: Mapping[str, Tensor]) -> Iterator[None]:
+    """``module`` computes with ``weights`` (parameter or buffer name → tensor) instead of its
+    own while the block runs, as ``torch.func.functional_call`` does (a tied name given binds
+    every name of its tie group; a name not given keeps the module's own), at a fraction of
+    its per-call cost: where each name lives is computed once per module. A name the module
+    does not have goes through ``functional_call``'s own reparametrization (which sets it as
+    an attribute). Not thread-safe for one module (neither is ``functional_call``)."""
+    with _slots_lock:
+        slots = _slots.get(module)
+        if slots is None or not slots.current(iter(weights)):
+            slots = _slots[module] = _Slots(module)
+    if not slots.current(iter(weights)):
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with _reparametrize_module(module, dict(weights), tie_weights=True):
+            yield
+        return
+    bind: dict[int, tuple[str, Tensor]] = {}
+    for name, tensor in weights.items():
+        first = bind.setdefault(slots.group[name], (name, tensor))
+        if first[1] is not tensor:
+            raise ValueError(
+                f"weights give the tied tensors {first[0]!r} and {name!r} different values"
+            )
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for name, tensor in bind.values():
+            for table, attr in slots.places[name]:
+                saved.append((table, attr, table[attr]))
+                table[attr] = tensor
+        yield
+    finally:
+        for table, attr, old in reversed(saved):
+            table[attr] = old
 
 
 @contextlib.contextmanager

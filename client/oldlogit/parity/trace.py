@@ -111,7 +111,7 @@ def forward_trace(
     """The stages of one forward of ``input_ids`` [1, N] (see the module docstring); no grad.
 
     Runs ``model`` as the caller has it (patched or plain); ``weights`` substitutes a version's
-    tensors (``torch.func.functional_call``, as the service runs its skeleton).
+    tensors (``skeleton.bound_weights``, as the service runs its skeleton).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError(f"trace one sequence of >= 2 tokens [1, N], got {list(input_ids.shape)}")

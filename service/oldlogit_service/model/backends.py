@@ -2,7 +2,7 @@
 
 In: an HF config dict (or a builder function) and the serving dtype. Out: a module whose
 parameters live on the meta device (``params_on_meta``) with real buffers, in eval mode, and
-the backend calls that run it with a version's weights (``torch.func.functional_call``).
+the backend calls that run it with a version's weights (``oldlogit.parity.skeleton.bound_weights``).
 ``TransformersBackend`` serves ``AutoModelForCausalLM`` families; ``CallableBackend`` plugs in
 other models. No weights are held here.
 """
@@ -16,9 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from oldlogit.parity.skeleton import build_skeleton, params_on_meta
+from oldlogit.parity.skeleton import bound_weights, build_skeleton, params_on_meta
 
 __all__ = [
     "CallableBackend",
@@ -125,12 +124,10 @@ class TransformersBackend:
             for name, tensor in weights.items()
             if name.startswith(layout.decoder_prefix)
         }
-        out = functional_call(
-            layout.decoder,
-            decoder_weights,
-            args=(),
-            kwargs={"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
-        )
+        with bound_weights(layout.decoder, decoder_weights):
+            out = layout.decoder(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            )
         hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden  # [B, T, H]
 
@@ -175,7 +172,8 @@ class CallableBackend:
         input_ids: Tensor,
         attention_mask: Tensor | None,
     ) -> Tensor:
-        hidden: Tensor = functional_call(module, dict(weights), (input_ids, attention_mask))
+        with bound_weights(module, weights):
+            hidden: Tensor = module(input_ids, attention_mask)
         return hidden  # [B, T, H]
 
     def head(

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         routing.smoke(args)
         tensor_parallel.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
+        args.versions_rounds = 1
     figures = []
     for name in args.figures:
         figures.extend(SUITES[name].run(args))

@@ -170,12 +170,18 @@ def test_cpu_forwards_are_cache_sized_blocks_of_the_batch(tiny_loaded_factory, m
     from oldlogit_service.model import engine as engine_mod
 
     model, weights = tiny_loaded_factory()
-    assert engine_mod.cpu_forward_tokens(
-        {"hidden_size": 256, "intermediate_size": 768}, torch.float32, 64
-    ) == 4096
-    assert engine_mod.cpu_forward_tokens(  # a multimodal config's text model; never below 512
-        {"text_config": {"hidden_size": 4096, "intermediate_size": 14336}}, torch.bfloat16, 64
-    ) == 512
+    assert (
+        engine_mod.cpu_forward_tokens(
+            {"hidden_size": 256, "intermediate_size": 768}, torch.float32, 64
+        )
+        == 4096
+    )
+    assert (
+        engine_mod.cpu_forward_tokens(  # a multimodal config's text model; never below 512
+            {"text_config": {"hidden_size": 4096, "intermediate_size": 14336}}, torch.bfloat16, 64
+        )
+        == 512
+    )
     rng = np.random.default_rng(5)
     jobs = []
     for n in (300, 41, 250, 200, 77, 512):
@@ -186,7 +192,9 @@ def test_cpu_forwards_are_cache_sized_blocks_of_the_batch(tiny_loaded_factory, m
         4096, engine_mod.cpu_forward_tokens(model.config, model.dtype, model.tile_rows or 0)
     )
     whole.forward_tokens = 4096  # one forward of everything
-    monkeypatch.setattr(engine_mod, "CPU_FORWARD_BYTES", 600 * 4 * model.config["intermediate_size"])
+    monkeypatch.setattr(
+        engine_mod, "CPU_FORWARD_BYTES", 600 * 4 * model.config["intermediate_size"]
+    )
     blocked = Engine(model, max_batch_tokens=4096)
     assert blocked.forward_tokens == 576  # 600 rounded down to whole 64-row tiles
     calls: list[int] = []

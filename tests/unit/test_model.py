@@ -107,8 +107,9 @@ def test_bound_weights_binds_as_functional_call_does():
     with pytest.raises(RuntimeError, match="inside"), bound_weights(net, given):
         raise RuntimeError("inside")
     assert net.head.weight is own["head.weight"] and float(net.scale) == 2.0
-    with pytest.raises(ValueError, match="tied"), bound_weights(
-        net, {"emb.weight": w, "head.weight": w.clone()}
+    with (
+        pytest.raises(ValueError, match="tied"),
+        bound_weights(net, {"emb.weight": w, "head.weight": w.clone()}),
     ):
         pass
     with bound_weights(net, {"extra": w, "head.bias": torch.zeros(3)}):  # functional_call's way

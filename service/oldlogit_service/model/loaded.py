@@ -4,11 +4,11 @@ In: an HF-format directory (config.json + safetensors). Out: a ``LoadedModel`` (
 with parameters on the meta device, real buffers, the canonical weight names/dtypes/shapes and
 the names checkpoints may use instead, ``layout``). Must not hold any version's weights: every
 forward gets its weights bound for the call (``oldlogit.parity.skeleton.bound_weights``), so
-one skeleton serves every version. A version's weights are the model's ``state_dict()`` without tied duplicates: its
-parameters and its *persistent* buffers, i.e. the buffers a checkpoint carries and the forward
-reads (DeepSeek-V3's routing bias ``e_score_correction_bias``); non-persistent buffers (rotary
-``inv_freq``) are computed from the config and stay in the skeleton. Reading checkpoints onto
-these names is ``checkpoints``.
+one skeleton serves every version. A version's weights are the model's ``state_dict()`` without
+tied duplicates: its parameters and its *persistent* buffers, i.e. the buffers a checkpoint
+carries and the forward reads (DeepSeek-V3's routing bias ``e_score_correction_bias``);
+non-persistent buffers (rotary ``inv_freq``) are computed from the config and stay in the
+skeleton. Reading checkpoints onto these names is ``checkpoints``.
 """
 
 from __future__ import annotations

@@ -87,9 +87,12 @@ def bound_weights(module: nn.Module, weights: Mapping[str, Tensor]) -> Iterator[
     an attribute). Not thread-safe for one module (neither is ``functional_call``)."""
     with _slots_lock:
         slots = _slots.get(module)
-        if slots is None or not slots.current(iter(weights)):
+        mapped = slots is not None and slots.current(iter(weights))
+        if not mapped:  # first call, or the module's tensors were replaced since
             slots = _slots[module] = _Slots(module)
-    if not slots.current(iter(weights)):
+            mapped = slots.current(iter(weights))
+    assert slots is not None
+    if not mapped:
         from torch.nn.utils.stateless import _reparametrize_module
 
         with _reparametrize_module(module, dict(weights), tie_weights=True):

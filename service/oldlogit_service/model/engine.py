@@ -90,7 +90,7 @@ def cpu_forward_tokens(config: Mapping[str, object], dtype: torch.dtype, tile_ro
     cfg = text if isinstance(text, Mapping) else config
     widths = [cfg.get("intermediate_size"), cfg.get("hidden_size")]
     width = max((int(w) for w in widths if isinstance(w, int) and w > 0), default=4096)
-    tokens = CPU_FORWARD_BYTES // (width * torch.empty((), dtype=dtype).element_size())
+    tokens = CPU_FORWARD_BYTES // (width * dtype.itemsize)
     tile = max(1, tile_rows)
     return max(512, tokens - tokens % tile)
 

@@ -130,6 +130,11 @@ class WeightsSource(Protocol):
         """Device-resident right now (an acquire would not load)."""
         ...
 
+    def pin_resident(self, version: int) -> bool:
+        """Pin ``version`` if it is device-resident now, loading nothing (True: pinned until
+        ``unhold``). The compute stage takes a resident version it does not hold this way."""
+        ...
+
     def has_room(self) -> bool:
         """A load now would evict nothing (the device budget has a version's room free)."""
         ...
@@ -556,8 +561,14 @@ class Scheduler:
                 it.future.set_exception(err)
 
     # -- compute stage -------------------------------------------------------------------
-    def _take(self) -> tuple[WeightsRef, list[Item]] | None:
-        """Wait for a batch worth running whose weights are resident; None when closed."""
+    def _take(self) -> tuple[WeightsRef, list[Item], bool] | None:
+        """Wait for a batch worth running whose weights are resident; None when closed. The
+        third field: the compute stage pinned the weights itself (``unhold`` after the batch).
+
+        A store version runs only while pinned: held by the load stage, or resident and pinned
+        here, atomically with the choice. Otherwise a load could evict it between the choice
+        and the forward, and the compute stage would load it inline — waiting in admission
+        while the load stage, waiting in its own, holds the versions that would make room."""
         with self._cond:
             while True:
                 if self._closed:
@@ -584,23 +595,33 @@ class Scheduler:
                     self._cond.wait(0.05)
                     continue
                 weights, items = picked
+                pinned = False
+                if weights.loads and not self._lagging and weights not in st.held:
+                    pinned = self._store.pin_resident(weights.store_version)
+                    if not pinned:  # evicted since it was judged ready: back to the load stage
+                        st.queues.setdefault(weights, deque()).extendleft(reversed(items))
+                        self._cond.notify_all()
+                        self._cond.wait(0.01)
+                        continue
                 st.depth -= len(items)
                 st.queued_tokens -= sum(it.ntokens for it in items)
                 st.running = True
                 st.current = weights
                 if weights in st.held:
                     st.served.add(weights)
-                return weights, items
+                return weights, items, pinned
 
     def _compute_loop(self) -> None:
         while True:
             picked = self._take()
             if picked is None:
                 return
-            weights, items = picked
+            weights, items, pinned = picked
             try:
                 self._run(weights, items)
             finally:
+                if pinned:
+                    self._store.unhold(weights.store_version)
                 with self._cond:
                     self._state.running = False
                     self._cond.notify_all()

@@ -24,6 +24,8 @@ class FakeStore:
         self.acquired: list[int] = []
         self.held: list[int] = []
         self.released: list[int] = []
+        self.pinned: list[int] = []  # the compute stage's pins outstanding
+        self.unpinned: list[int] = []
 
     def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
         if version == 404:
@@ -31,10 +33,20 @@ class FakeStore:
         self.held.append(version)
 
     def unhold(self, version: int) -> None:
-        self.released.append(version)
+        if version in self.pinned:  # the compute stage's own pin
+            self.pinned.remove(version)
+            self.unpinned.append(version)
+        else:
+            self.released.append(version)
 
     def resident(self, version: int) -> bool:
         return version in self.held and self.held.count(version) > self.released.count(version)
+
+    def pin_resident(self, version: int) -> bool:
+        if not self.resident(version):
+            return False
+        self.pinned.append(version)
+        return True
 
     @contextmanager
     def acquire(self, version: int, uses: int = 1) -> Iterator[Mapping[str, Any]]:
@@ -284,6 +296,58 @@ def test_a_hot_version_is_served_while_a_cold_one_loads() -> None:
         store.cold_gate.set()
         sched.close()
     assert sorted(store.released) == sorted(store.held)  # every hold let go at the end
+
+
+class EvictedOnTheWayStore(FakeStore):
+    """Version 5 looks resident to the compute stage's choice, but a load evicts it before
+    the compute stage can pin it; after that it is resident only once held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evicted = False
+
+    def resident(self, version: int) -> bool:
+        if version != 5:
+            return True  # every other version is resident
+        return not self.evicted or super().resident(version)
+
+    def pin_resident(self, version: int) -> bool:
+        if version == 5 and not self.evicted:
+            self.evicted = True  # a load took it just now
+            return False
+        if version == 5:
+            return super().pin_resident(version)
+        self.pinned.append(version)
+        return True
+
+    @contextmanager
+    def acquire(self, version: int, uses: int = 1) -> Iterator[Mapping[str, Any]]:
+        # The store would load inline here: the compute stage must never acquire a version
+        # that neither the load stage holds nor it pinned itself.
+        assert version in self.pinned or super().resident(version), f"inline load of {version}"
+        with super().acquire(version, uses) as w:
+            yield w
+
+
+def test_a_version_evicted_between_choice_and_pin_goes_back_to_the_load_stage() -> None:
+    engine = FakeEngine()
+    store = EvictedOnTheWayStore()
+    sched = Scheduler(
+        engine,  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
+        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0),
+        max_queue=100,
+    )
+    try:
+        futs = [sched.submit(WeightsRef.stored(5), job(t)) for t in range(3)]
+        hot = sched.submit(WeightsRef.stored(1), job(9))  # resident, unheld: pinned by compute
+        assert [f.result(5).tolist()[0] for f in futs] == [5000.0, 5001.0, 5002.0]
+        assert hot.result(5).tolist()[0] == 1009.0
+        assert store.evicted and 5 in store.held  # the load stage brought it back
+    finally:
+        sched.close()
+    assert not store.pinned and 1 in store.unpinned  # every pin of the compute stage let go
+    assert sorted(store.released) == sorted(store.held)
 
 
 def test_a_failed_load_fails_that_version_only() -> None:

@@ -276,6 +276,33 @@ def test_a_load_makes_room_from_versions_no_queued_work_needs(tmp_path: Path) ->
         assert not s.resident(0) and s.resident(3)
 
 
+def test_pin_resident_pins_only_a_device_copy_there_now_and_loads_nothing(tmp_path: Path) -> None:
+    # The compute stage takes an unheld resident version this way: once pinned, no load can
+    # evict it before its batch; a version not resident is left to the load stage.
+    clock = FakeClock()
+    with open_store(tmp_path, clock=clock, device_budget_bytes=SNAP) as s:
+        for v in range(3):
+            s.publish(v, make_sd(v))
+        with s.acquire(0):
+            pass
+        loads = s.stats().loads_disk
+        assert not s.pin_resident(1)  # not resident: nothing pinned, nothing loaded
+        assert s.stats().loads_disk == loads and not s.resident(1)
+        assert s.pin_resident(0)
+        try:
+            clock.advance(1)
+            s.hold(1)  # the budget holds one: the pinned 0 stays, 1 comes in over the budget
+            assert s.resident(0) and s.resident(1)
+            s.unhold(1)
+        finally:
+            s.unhold(0)
+        clock.advance(1)
+        with s.acquire(2):  # unpinned now: the LRU may take it
+            pass
+        assert not s.resident(0)
+        assert s.residency.pins(0) == 0 and s.residency.pins(1) == 0
+
+
 def test_a_hot_version_cheap_to_rebuild_stays_before_a_rarely_used_long_chain() -> None:
     # The credit is use × rebuild cost: a keyframe-backed version every request needs is worth
     # more than a version rebuilt through a long chain that one request in thirty asks for.

@@ -217,6 +217,10 @@ class Front:
         round of commands and loads nothing)."""
         return False
 
+    def pin_resident(self, version: int) -> bool:
+        """Never (see ``resident``): the compute stage runs only held versions."""
+        return False
+
     def has_room(self) -> bool:
         return self.store.has_room()
 

@@ -193,6 +193,17 @@ class Residency:
             self.unpin(version)
             raise
 
+    def pin_resident(self, version: int) -> bool:
+        """Pin ``version`` only if its device copy is there now, loading nothing; True when
+        pinned (``unpin`` it after use). The scheduler's compute stage takes an unheld resident
+        version this way, so no load can evict it between the choice and the forward."""
+        with self._lock:
+            m = self._mem.get(version)
+            if m is None or m.retired or m.device is None:
+                return False
+            m.pins += 1
+            return True
+
     def unpin(self, version: int) -> None:
         with self._cond:
             m = self._mem.get(version)

@@ -269,6 +269,13 @@ class SnapshotStore:
         """Device-resident right now: an acquire would not load."""
         return "device" in self.residency.tiers(version)
 
+    def pin_resident(self, version: int) -> bool:
+        """Pin ``version`` if it is device-resident now, loading nothing; True when pinned
+        (``unhold`` it after use)."""
+        if self._closed:
+            return False
+        return self.residency.pin_resident(check_version(version))
+
     def has_room(self) -> bool:
         """A load now would evict nothing: the device budget has a version's room free."""
         return self.residency.has_room(self._snapshot_nbytes)

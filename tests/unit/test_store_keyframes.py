@@ -161,18 +161,22 @@ def test_moves_and_rebuilds_race_safely(tmp_path: Path) -> None:
 
 
 def test_decoded_patches_within_their_share_outlast_weights() -> None:
+    """Protected patches go last, after weights queued work wants: a wanted copy dropped costs
+    one rebuild, a protected patch dropped costs a file read in every rebuild through it (with
+    every resident copy wanted, loads used to push out the whole share, load after load)."""
     hot = MemoryCandidate(1, 100, last_used=9.0, tick=1, rebuild_cost=4.0, uses=30)
     old = MemoryCandidate(2, 100, last_used=1.0, tick=2, rebuild_cost=1.0)
+    wanted = MemoryCandidate(3, 100, last_used=0.5, tick=9, rebuild_cost=1.0, wanted=True)
     patches = [
         MemoryCandidate(10 + i, 10, last_used=2.0 + i, tick=3 + i, rebuild_cost=0.5, part="patch")
         for i in range(4)
     ]
     keep = patch_share(patches, budget=100, share=0.25)  # room for two: the most recent ones
     assert keep == {12, 13}
-    cands = [hot, old] + [replace(p, protected=p.version in keep) for p in patches]
-    order = [c.version for c in memory_victim_parts(cands, resident=240, incoming=0, budget=0)]
+    cands = [wanted, hot, old] + [replace(p, protected=p.version in keep) for p in patches]
+    order = [c.version for c in memory_victim_parts(cands, resident=340, incoming=0, budget=0)]
     assert order[:4] == [2, 10, 11, 1]  # unprotected patches and weights by keep_until
-    assert order[4:] == [12, 13]  # then the protected patches
+    assert order[4:] == [3, 12, 13]  # then what queued work wants, then the protected patches
 
 
 def test_loads_keep_the_patches_they_read(tmp_path: Path) -> None:

@@ -428,12 +428,8 @@ class Residency:
             mine = is_patch and version in patch_share(
                 [*(c for c in cands if c.part == "patch"), me], tier.budget
             )
-            if mine:  # within the patch share: weights nothing waits for make room
-                colder = [
-                    c
-                    for c in cands
-                    if not c.wanted and (not c.protected or c.keep_until < me.keep_until)
-                ]
+            if mine:  # within the patch share: weights make room (as in eviction's order)
+                colder = [c for c in cands if not c.protected or c.keep_until < me.keep_until]
             else:
                 colder = [c for c in cands if c.keep_until < me.keep_until and not c.protected]
             room = tier.budget - tier.reserved

@@ -113,8 +113,8 @@ class MemoryCandidate:
     part: str = "weights"  # or "patch"
     uses: float = 0.0  # recent uses, decayed to now (``decayed_uses``, ``reuse_factor``)
     wanted: bool = False  # queued work needs it: dropped only after every copy nothing needs
-    # A decoded patch within the tier's patch share (``patch_share``): dropped only after the
-    # weights nothing waits for.
+    # A decoded patch within the tier's patch share (``patch_share``): dropped only after every
+    # weights copy, wanted ones included.
     protected: bool = False
 
     @property
@@ -129,14 +129,17 @@ def memory_victim_parts(
 ) -> list[MemoryCandidate]:
     """What to drop, lowest ``keep_until`` first, until ``resident + incoming <= budget``.
 
-    Copies that queued work wants go last (dropping one means loading it again before its
-    requests run), protected patches just before them. On equal keys, the cheapest to bring
-    back goes first (a copy one tier down, then the smaller one).
+    Copies that queued work wants go late (dropping one means loading it again before its
+    requests run), and protected patches last: a wanted copy dropped costs one rebuild, a
+    protected patch dropped costs a file read (hash, decode) in every rebuild through it, and
+    with every resident copy wanted, as under a queue over more versions than the budget
+    holds, loads would otherwise push the whole patch share out load after load. On equal
+    keys, the cheapest to bring back goes first (a copy one tier down, then the smaller one).
     """
     out: list[MemoryCandidate] = []
     order = sorted(
         candidates,
-        key=lambda c: (c.wanted, c.protected, c.keep_until, c.rebuild_cost, c.nbytes, c.tick),
+        key=lambda c: (c.protected, c.wanted, c.keep_until, c.rebuild_cost, c.nbytes, c.tick),
     )
     for c in order:
         if resident + incoming <= budget:
@@ -147,7 +150,7 @@ def memory_victim_parts(
 
 
 # The share of a memory tier's budget kept for decoded patches: within it, the patches most
-# worth keeping are dropped only after every weights copy nothing waits for. A decoded patch
+# worth keeping are dropped only after every weights copy (``memory_victim_parts``). A decoded patch
 # is a few percent of a snapshot and every rebuild through it needs it (reading it back: file,
 # hash, decode, 1-2 snapshot loads' worth), while the LRU credits weights by their requests:
 # without a share, loads of hot versions pushed out the patches every load then read again.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -131,8 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
         args.versions_rounds = 1
     figures = []
-    for name in args.figures:
-        figures.extend(SUITES[name].run(args))
+    # Every suite's models, snapshots and versions go under one directory, removed at the end
+    # (a real-size run writes GBs; repeated runs must not fill the disk).
+    scratch = tempfile.mkdtemp(prefix="oldlogit-bench-")
+    previous, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+        for name in args.figures:
+            figures.extend(SUITES[name].run(args))
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(scratch, ignore_errors=True)
     print_table(figures)
     meta = {
         "machine": platform.machine(),

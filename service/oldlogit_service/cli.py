@@ -278,7 +278,10 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from oldlogit_service.api.tls import TlsConfigError
+    from oldlogit_service.model.allocator import tune_allocator
     from oldlogit_service.server import Bound, serve, server_tls
+
+    tune_allocator()  # before any serving thread starts (model/allocator.py)
 
     try:
         tls = server_tls(settings)  # before the model loads: a bad file fails at once

@@ -26,6 +26,7 @@ import torch
 from oldlogit.contract.weights import torch_dtype
 from oldlogit.parity.tensor_parallel import TensorParallel, use
 from oldlogit_service.config import Settings
+from oldlogit_service.model.allocator import tune_allocator
 from oldlogit_service.model.engine import Engine
 from oldlogit_service.model.loaded import resolve_device
 from oldlogit_service.ranks import shards
@@ -59,6 +60,7 @@ def main(
         target=heartbeat, args=(beats, rank, stop), name="oldlogit-heartbeat", daemon=True
     ).start()
     try:
+        tune_allocator()  # this rank's forwards allocate as the front's do (model/allocator.py)
         torch.set_num_threads(threads)
         device = shards.rank_device(resolve_device(settings.device), rank)
         if device.type == "cuda":

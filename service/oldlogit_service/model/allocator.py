@@ -1,0 +1,68 @@
+"""The C allocator's settings for a serving process: freed activations stay mapped.
+
+A forward allocates and frees the same activation sizes layer after layer. The service runs its
+forwards on the scheduler's compute thread, not the main thread, and glibc gives such a thread
+its own arena: heaps of at most 64 MiB whose free top is handed back to the kernel
+(``madvise``) as soon as it passes the trim threshold — which starts at 128 KiB. The next layer
+then faults the same pages in again. Measured at Qwen2.5-0.5B's shapes (24 layers, bf16, 4 × 128
+tokens): one engine call took 150,000–230,000 minor page faults and about 10 % more time on a
+worker thread than on the main thread (no faults). With the trim threshold above a heap's size
+and the mmap threshold fixed at its dynamic maximum (32 MiB), a worker thread's call faults
+only the one allocation above 32 MiB (the head's logits chunk).
+
+``tune_allocator`` sets both, once per process, before the serving threads start (``oldlogit
+serve`` and each tensor-parallel rank process). Memory kept this way is what forwards freed and
+will allocate again: a heap keeps at most its 64 MiB, the main arena its forward's working set.
+No effect (False) where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import threading
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "tune_allocator"]
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+# Above a thread arena's heap size (64 MiB), so a heap's free top is never trimmed.
+TRIM_THRESHOLD_BYTES = 128 * 1024**2
+# glibc's own ceiling for the dynamic mmap threshold: allocations below it come from the heaps.
+MMAP_THRESHOLD_BYTES = 32 * 1024**2
+
+_lock = threading.Lock()
+_tuned: bool | None = None
+
+
+def tune_allocator() -> bool:
+    """Set the trim and mmap thresholds (see the module docstring); True when set. Idempotent."""
+    global _tuned
+    with _lock:
+        if _tuned is not None:
+            return _tuned
+        _tuned = False
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return False
+        try:
+            libc = ctypes.CDLL(name)
+            mallopt = libc.mallopt
+            # gnu_get_libc_version exists only in glibc: other C libraries keep their defaults.
+            libc.gnu_get_libc_version  # noqa: B018
+        except (OSError, AttributeError):
+            return False
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        ok = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and bool(
+            mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        )
+        if not ok:
+            logger.warning("mallopt refused the allocator settings; keeping glibc's defaults")
+        _tuned = ok
+        return ok

@@ -1,0 +1,56 @@
+"""The serving process's allocator settings (model/allocator.py). Their effect — a forward on
+a worker thread no longer re-faulting the memory the previous one freed — depends on the whole
+forward's allocation sequence and is measured at real size (docs/performance.md); here: that
+glibc takes the settings, once per process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from oldlogit_service.model import allocator
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_glibc_takes_the_settings_once_per_process() -> None:
+    probe = textwrap.dedent(
+        """
+        import ctypes
+        from oldlogit_service.model import allocator
+        calls = []
+        real = ctypes.CDLL
+
+        class Counting:
+            def __init__(self, name):
+                self._lib = real(name)
+                self.gnu_get_libc_version = self._lib.gnu_get_libc_version
+                fn = self._lib.mallopt
+
+                class Mallopt:
+                    argtypes = restype = None
+
+                    def __call__(self, param, value):
+                        calls.append((param, value))
+                        return fn(param, value)
+
+                self.mallopt = Mallopt()
+
+        allocator.ctypes.CDLL = Counting
+        first = allocator.tune_allocator()
+        second = allocator.tune_allocator()
+        print(first, second, calls)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split(maxsplit=2)
+    assert out[0] == "True" and out[1] == "True"  # glibc accepted both; the second call is free
+    assert out[2].strip() == str(
+        [(-1, allocator.TRIM_THRESHOLD_BYTES), (-3, allocator.MMAP_THRESHOLD_BYTES)]
+    )
+    # Above a thread heap's 64 MiB (its top is then never trimmed); glibc's mmap ceiling.
+    assert allocator.TRIM_THRESHOLD_BYTES > 64 * 1024**2
+    assert allocator.MMAP_THRESHOLD_BYTES == 32 * 1024**2

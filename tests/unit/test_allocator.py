@@ -47,10 +47,15 @@ def test_glibc_takes_the_settings_once_per_process() -> None:
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split(maxsplit=2)
-    assert out[0] == "True" and out[1] == "True"  # glibc accepted both; the second call is free
+    assert out[0] == "True" and out[1] == "True"  # glibc took all three; the second call is free
     assert out[2].strip() == str(
-        [(-1, allocator.TRIM_THRESHOLD_BYTES), (-3, allocator.MMAP_THRESHOLD_BYTES)]
+        [
+            (-1, allocator.TRIM_THRESHOLD_BYTES),
+            (-3, allocator.MMAP_THRESHOLD_BYTES),
+            (-8, allocator.ARENA_MAX),
+        ]
     )
     # Above a thread heap's 64 MiB (its top is then never trimmed); glibc's mmap ceiling.
     assert allocator.TRIM_THRESHOLD_BYTES > 64 * 1024**2
     assert allocator.MMAP_THRESHOLD_BYTES == 32 * 1024**2
+    assert allocator.ARENA_MAX == 1  # every thread's frees serve the compute thread

@@ -19,7 +19,9 @@ thread, the load stage, publishes) and each allocation is a tensor, not a Python
 ``tune_allocator`` sets all three, once per process, before the serving threads start
 (``oldlogit serve`` and each tensor-parallel rank process). Memory kept this way is what
 forwards freed and will allocate again (the main arena keeps at most 128 MiB of free top).
-No effect (False) where the C library is not glibc.
+A setting the environment gives (``MALLOC_ARENA_MAX``, ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_MMAP_THRESHOLD_``, or ``GLIBC_TUNABLES``) is left as the operator set it. No effect
+(False) where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import threading
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,23 @@ TRIM_THRESHOLD_BYTES = 128 * 1024**2
 MMAP_THRESHOLD_BYTES = 32 * 1024**2
 # One arena for every thread: the compute thread reuses what any thread freed.
 ARENA_MAX = 1
+
+# (mallopt parameter, value, the environment variable and glibc tunable that set it instead).
+_SETTINGS = (
+    (
+        _M_TRIM_THRESHOLD,
+        TRIM_THRESHOLD_BYTES,
+        "MALLOC_TRIM_THRESHOLD_",
+        "glibc.malloc.trim_threshold",
+    ),
+    (
+        _M_MMAP_THRESHOLD,
+        MMAP_THRESHOLD_BYTES,
+        "MALLOC_MMAP_THRESHOLD_",
+        "glibc.malloc.mmap_threshold",
+    ),
+    (_M_ARENA_MAX, ARENA_MAX, "MALLOC_ARENA_MAX", "glibc.malloc.arena_max"),
+)
 
 _lock = threading.Lock()
 _tuned: bool | None = None
@@ -70,11 +90,9 @@ def tune_allocator() -> bool:
         mallopt.restype = ctypes.c_int
         ok = all(
             mallopt(param, value)
-            for param, value in (
-                (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-                (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-                (_M_ARENA_MAX, ARENA_MAX),
-            )
+            for param, value, env, tunable in _SETTINGS
+            # What the operator set in the environment stays.
+            if env not in os.environ and tunable not in os.environ.get("GLIBC_TUNABLES", "")
         )
         if not ok:
             logger.warning("mallopt refused the allocator settings; keeping glibc's defaults")

@@ -90,8 +90,10 @@ def job(tag: int, n: int = 4) -> Job:
     return Job(token_ids=ids, positions=torch.arange(1, n), sampling=SamplingParams())
 
 
-def make(engine: FakeEngine, **kw: Any) -> tuple[Scheduler, FakeStore]:
-    store = FakeStore()
+def make(
+    engine: FakeEngine, store: FakeStore | None = None, **kw: Any
+) -> tuple[Scheduler, FakeStore]:
+    store = store or FakeStore()
     policy = BatchPolicy(
         max_batch_tokens=kw.pop("max_batch_tokens", 64), max_wait_s=kw.pop("max_wait_s", 0.01)
     )
@@ -275,12 +277,7 @@ def test_a_hot_version_is_served_while_a_cold_one_loads() -> None:
     """The load stage makes the cold version resident; the compute stage keeps serving."""
     engine = FakeEngine()
     store = SlowColdStore()
-    sched = Scheduler(
-        engine,  # type: ignore[arg-type]
-        store,  # type: ignore[arg-type]
-        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0),
-        max_queue=100,
-    )
+    sched, _ = make(engine, store, max_wait_s=0.0)
     try:
         cold = sched.submit(WeightsRef.stored(9), job(0))
         time.sleep(0.05)  # the loader is now stuck loading 9
@@ -332,12 +329,7 @@ class EvictedOnTheWayStore(FakeStore):
 def test_a_version_evicted_between_choice_and_pin_goes_back_to_the_load_stage() -> None:
     engine = FakeEngine()
     store = EvictedOnTheWayStore()
-    sched = Scheduler(
-        engine,  # type: ignore[arg-type]
-        store,  # type: ignore[arg-type]
-        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0),
-        max_queue=100,
-    )
+    sched, _ = make(engine, store, max_wait_s=0.0)
     try:
         futs = [sched.submit(WeightsRef.stored(5), job(t)) for t in range(3)]
         hot = sched.submit(WeightsRef.stored(1), job(9))  # resident, unheld: pinned by compute

@@ -70,7 +70,8 @@ _tuned: bool | None = None
 
 
 def tune_allocator() -> bool:
-    """Set the trim and mmap thresholds (see the module docstring); True when set. Idempotent."""
+    """Set the trim and mmap thresholds and the arena count (see the module docstring); True
+    when every setting the environment left to it was taken. Idempotent."""
     global _tuned
     with _lock:
         if _tuned is not None:

@@ -202,6 +202,7 @@ def test_a_version_one_rank_evicted_is_held_on_every_rank_before_it_runs(
     front = svc.replica.front
     # Every forward's version must be held on every rank when it starts.
     held: dict[int, int] = {}
+    letting_go: dict[int, int] = {}
     unheld_forwards: list[int] = []
     hold, unhold, forward = front.hold, front.unhold, front.forward
 
@@ -210,8 +211,14 @@ def test_a_version_one_rank_evicted_is_held_on_every_rank_before_it_runs(
         held[version] = held.get(version, 0) + 1
 
     def unholding(version: int, *, ranks: list[int] | None = None) -> None:
+        # Counted unheld before the ranks let go (a forward in between would be unheld), and
+        # let go only once every rank has replied: the test evicts after that.
+        letting_go[version] = letting_go.get(version, 0) + 1
         held[version] -= 1
-        unhold(version, ranks=ranks)
+        try:
+            unhold(version, ranks=ranks)
+        finally:
+            letting_go[version] -= 1
 
     def forwarding(op: str, weights: Any, jobs: Any) -> Any:
         if not held.get(weights.version):
@@ -225,7 +232,8 @@ def test_a_version_one_rank_evicted_is_held_on_every_rank_before_it_runs(
     for _ in range(3):
         _assert_same(pair, "http", _sequences(rng, [first], 2))  # resident on every rank now
         deadline = time.monotonic() + 10
-        while held.get(first) and time.monotonic() < deadline:  # the load stage lets it go
+        # The load stage lets it go on every rank.
+        while (held.get(first) or letting_go.get(first)) and time.monotonic() < deadline:
             time.sleep(0.01)
         # Rank 1 drops it; the front keeps it.
         evicted = [r.raise_for(rank) for rank, r in enumerate(front._command("evict", first))]

@@ -70,6 +70,9 @@ def main() -> None:
     app = create_app(args.model, args.versions, getattr(torch, args.dtype))
     sock = socket.socket()
     sock.bind(("127.0.0.1", args.port))
+    # Listening before the port is printed: a client that reads it and connects at once is
+    # queued until uvicorn accepts, not refused.
+    sock.listen(1024)
     print(f"http=127.0.0.1:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])

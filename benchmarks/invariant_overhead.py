@@ -10,7 +10,9 @@ interleaved rounds (two calls each after a warm-up call):
 - ``plain forward, TileMode(None)``: under oldlogit's mode with no rule but the head's dtype;
 - ``invariant forward``: the model's forward under ``trainer_numerics``;
 - ``plain logprobs`` / ``invariant logprobs``: with the float32 log-softmax and gather, and
-  ``token_logprobs`` under ``trainer_numerics`` (invariant-vs-plain's two arms).
+  ``token_logprobs`` under ``trainer_numerics`` (invariant-vs-plain's two arms);
+- ``invariant logprobs, entered``: ``trainer_numerics`` entered and left around every call
+  (a training loop that patches per step): the patch's own cost added.
 
 One thread so that the differences are Python's, not the thread pool's wake-ups.
 """
@@ -77,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     def invariant_logprobs() -> None:
         token_logprobs(model, ids)
 
+    def entered_logprobs() -> None:  # the documented per-step pattern: enter, score, leave
+        with trainer_numerics(model):
+            token_logprobs(model, ids)
+
     arms: list[tuple[str, Callable[[], None], bool]] = [
         ("plain forward", forward, False),
         ("plain forward, empty mode", under(_PassThrough), False),
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         ("invariant forward", forward, True),
         ("plain logprobs", plain_logprobs, False),
         ("invariant logprobs", invariant_logprobs, True),
+        ("invariant logprobs, entered", entered_logprobs, False),
     ]
     times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     with torch.inference_mode():

@@ -63,3 +63,23 @@ def test_a_config_that_changes_the_buffers_gets_its_own_reference(
         assert torch.equal(other.model.rotary_emb.inv_freq, want)
     assert not torch.equal(first, want)
     assert builds == [torch.float32, torch.float32]
+
+
+def test_the_cache_keeps_the_newest_within_its_count_and_bytes(
+    builds: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = hf_model("llama", seed=3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        model = model.to(dtype)
+        with trainer_numerics(model):
+            pass
+    assert len(numerics._REFERENCES) == 3
+    monkeypatch.setattr(numerics, "_REFERENCES_KEPT", 2)
+    with trainer_numerics(hf_model("qwen2", seed=3)):
+        pass
+    assert len(numerics._REFERENCES) == 2
+    monkeypatch.setattr(numerics, "_REFERENCES_BYTES", 1)  # less than any model's buffers
+    with trainer_numerics(model.to(torch.bfloat16)):  # built again: it had been dropped
+        pass
+    assert len(numerics._REFERENCES) == 1
+    assert builds == [torch.bfloat16, torch.float16, torch.float32, torch.float32, torch.bfloat16]

@@ -63,8 +63,10 @@ class FakeEngine:
         self.fail = fail
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # a batch reached the engine (and waits at the gate)
 
     def run(self, weights: Mapping[str, Any], jobs: Sequence[Job]) -> list[torch.Tensor]:
+        self.entered.set()
         self.gate.wait(10)
         if self.fail:
             raise RuntimeError("kaboom")
@@ -77,6 +79,7 @@ class FakeEngine:
         ]
 
     def trace(self, weights: Mapping[str, Any], job: Job) -> list[str]:
+        self.entered.set()
         self.gate.wait(10)
         tag = int(job.token_ids[0])
         if tag == 13:
@@ -124,7 +127,7 @@ def test_cancelled_requests_are_dropped() -> None:
     sched, _ = make(engine, max_wait_s=0.0, max_batch_tokens=4)
     try:
         first = sched.submit(WeightsRef.stored(1), job(0))
-        time.sleep(0.05)
+        assert engine.entered.wait(10)  # taken by the worker, now blocked in the engine
         doomed = [sched.submit(WeightsRef.stored(1), job(t)) for t in range(1, 6)]
         kept = sched.submit(WeightsRef.stored(1), job(9))
         for f in doomed:
@@ -144,7 +147,7 @@ def test_expired_deadline_fails_without_running() -> None:
     sched, _ = make(engine, max_wait_s=0.0, max_batch_tokens=4)
     try:
         blocker = sched.submit(WeightsRef.stored(1), job(0))
-        time.sleep(0.05)
+        assert engine.entered.wait(10)
         late = sched.submit(WeightsRef.stored(1), job(5), deadline=time.monotonic() + 0.01)
         time.sleep(0.05)
         engine.gate.set()
@@ -162,7 +165,7 @@ def test_bounded_queue_answers_overloaded_with_retry_after() -> None:
     sched, _ = make(engine, max_queue=3, max_wait_s=0.0, max_batch_tokens=4)
     try:
         sched.submit(WeightsRef.stored(1), job(0))
-        time.sleep(0.05)  # taken by the worker, now blocked in the engine
+        assert engine.entered.wait(10)  # taken by the worker, now blocked in the engine
         for t in range(3):
             sched.submit(WeightsRef.stored(1), job(t))
         with pytest.raises(Overloaded) as info:
@@ -243,7 +246,7 @@ def test_version_switches_are_minimised() -> None:
     sched, store = make(engine, max_wait_s=0.0, max_batch_tokens=8)
     try:
         sched.submit(WeightsRef.stored(1), job(0))
-        time.sleep(0.05)
+        assert engine.entered.wait(10)
         futs = [
             sched.submit(WeightsRef.stored(v), job(t)) for t in range(1, 9) for v in (1, 2)
         ]  # interleaved
@@ -263,12 +266,14 @@ class SlowColdStore(FakeStore):
     def __init__(self) -> None:
         super().__init__()
         self.cold_gate = threading.Event()
+        self.loading = threading.Event()  # the load stage is inside version 9's hold
 
     def resident(self, version: int) -> bool:
         return version != 9 or super().resident(version)
 
     def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
         if version == 9:
+            self.loading.set()
             assert self.cold_gate.wait(10)
         super().hold(version, wanted)
 
@@ -280,7 +285,7 @@ def test_a_hot_version_is_served_while_a_cold_one_loads() -> None:
     sched, _ = make(engine, store, max_wait_s=0.0)
     try:
         cold = sched.submit(WeightsRef.stored(9), job(0))
-        time.sleep(0.05)  # the loader is now stuck loading 9
+        assert store.loading.wait(10)  # the loader is now stuck loading 9
         hot = [sched.submit(WeightsRef.stored(1), job(t)) for t in range(1, 6)]
         for t, f in enumerate(hot, start=1):
             assert f.result(5).tolist()[0] == 1000.0 + t
@@ -366,7 +371,7 @@ def test_proxy_weights_run_through_the_same_queue() -> None:
     proxy = WeightsRef.proxy("ewma-77", {"version": 77})
     try:
         blocker = sched.submit(WeightsRef.stored(1), job(0))
-        time.sleep(0.05)
+        assert engine.entered.wait(10)
         proxied = sched.submit(proxy, job(3))
         sched.submit(WeightsRef.proxy("ewma-77", {"version": 77}), job(4))
         with pytest.raises(Overloaded):
@@ -414,8 +419,13 @@ def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room
         while 1 not in store.held and time.monotonic() < end:
             time.sleep(0.005)
         waiting = [sched.submit(WeightsRef.stored(v), job(v)) for v in (2, 3)]
-        time.sleep(0.2)
-        assert sorted(store.held) == ([1, 2, 3] if room else [1])
+        want = [1, 2, 3] if room else [1]
+        end = time.monotonic() + 10
+        while sorted(store.held) != want and time.monotonic() < end:
+            time.sleep(0.005)
+        if not room:
+            time.sleep(0.2)  # and no more than that meanwhile
+        assert sorted(store.held) == want
         engine.gate.set()
         assert first.result(5).tolist()[0] == 1000.0
         assert [f.result(5).tolist()[0] for f in waiting] == [2002.0, 3003.0]

@@ -388,10 +388,17 @@ def _dtype_fix(dtype: str, sharded: bool) -> str:
 # Built references, by (model class, config as JSON, dtype), most recently used last: a
 # trainer that enters ``trainer_numerics`` around every step builds its skeleton once, not once
 # per step (building one runs the model class's whole constructor: 17 ms for 4 small layers).
-# A reference is read-only once built: buffers are copied out of it, never written.
+# A reference is read-only once built: buffers are copied out of it, never written. At most
+# ``_REFERENCES_KEPT`` of them, and the older ones only while all together hold at most
+# ``_REFERENCES_BYTES`` of buffers (a model may keep rotary tables of its whole context).
 _REFERENCES: collections.OrderedDict[tuple[Any, ...], _Reference] = collections.OrderedDict()
 _REFERENCES_KEPT = 8
+_REFERENCES_BYTES = 256 * 2**20
 _references_lock = threading.Lock()
+
+
+def _reference_bytes(ref: _Reference) -> int:
+    return sum(t.numel() * t.element_size() for t in ref.buffers.values())
 
 
 def _shared_reference(model: nn.Module, dtype: torch.dtype) -> _Reference:
@@ -417,8 +424,12 @@ def _shared_reference(model: nn.Module, dtype: torch.dtype) -> _Reference:
     if key is not None:
         with _references_lock:
             _REFERENCES[key] = ref
-            while len(_REFERENCES) > _REFERENCES_KEPT:
-                _REFERENCES.popitem(last=False)
+            held = sum(_reference_bytes(r) for r in _REFERENCES.values())
+            while len(_REFERENCES) > 1 and (
+                len(_REFERENCES) > _REFERENCES_KEPT or held > _REFERENCES_BYTES
+            ):
+                _, dropped = _REFERENCES.popitem(last=False)
+                held -= _reference_bytes(dropped)
     return ref
 
 

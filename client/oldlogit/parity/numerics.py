@@ -636,7 +636,7 @@ def patch_numerics(
     patch._restore.append(patch.unwrap_checkpointing)
     # MoE blocks say which layer routes, for a replayed or recorded routing (``routing``).
     patch.moe = routing.moe_layout(core)
-    patch._restore.append(routing.install(core))
+    patch._restore.append(routing.install(patch.moe))
     setattr(core, _PATCH_ATTR, patch)
     patch._restore.append(lambda: delattr(core, _PATCH_ATTR))
     return patch

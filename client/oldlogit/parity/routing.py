@@ -136,10 +136,9 @@ def moe_layout(model: nn.Module) -> MoeLayout | None:
     )
 
 
-def install(model: nn.Module) -> Callable[[], None]:
-    """Hook the MoE blocks of ``model`` (idle while no ``Routing`` is in use); returns the
-    undo. A dense model gets no hooks."""
-    layout = moe_layout(model)
+def install(layout: MoeLayout | None) -> Callable[[], None]:
+    """Hook the MoE blocks of a model's ``moe_layout`` (idle while no ``Routing`` is in
+    use); returns the undo. A dense model (None) gets no hooks."""
     if layout is None:
         return lambda: None
     handles = []

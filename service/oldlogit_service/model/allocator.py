@@ -89,13 +89,16 @@ def tune_allocator() -> bool:
             return False
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         mallopt.restype = ctypes.c_int
-        ok = all(
-            mallopt(param, value)
+        # Each setting tried on its own (one refused leaves the others); what the operator set
+        # in the environment stays.
+        refused = [
+            env
             for param, value, env, tunable in _SETTINGS
-            # What the operator set in the environment stays.
-            if env not in os.environ and tunable not in os.environ.get("GLIBC_TUNABLES", "")
-        )
-        if not ok:
-            logger.warning("mallopt refused the allocator settings; keeping glibc's defaults")
-        _tuned = ok
-        return ok
+            if env not in os.environ
+            and tunable not in os.environ.get("GLIBC_TUNABLES", "")
+            and not mallopt(param, value)
+        ]
+        if refused:
+            logger.warning("mallopt refused %s; glibc's defaults kept for it", ", ".join(refused))
+        _tuned = not refused
+        return _tuned

@@ -74,7 +74,12 @@ def main() -> None:
     # queued until uvicorn accepts, not refused.
     sock.listen(1024)
     print(f"http=127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(app, log_level="warning")
+    # The benchmark's clients keep their connections across phases that can leave them idle
+    # for seconds (other servers warming up and publishing). With uvicorn's default 5 s the
+    # server may close one just as a client reuses it: "Connection reset by peer" on the
+    # next request (seen under a sampling profiler). oldlogit serve keeps 30 s and its client
+    # retries; this baseline keeps its connections for the benchmark's length instead.
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=600)
     uvicorn.Server(config).run(sockets=[sock])
 
 

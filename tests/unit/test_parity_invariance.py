@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 from oldlogit.parity import (
+    ActiveDropout,
     NumericsMismatch,
     NumericsSpec,
     UncoveredMatmul,
@@ -271,6 +272,36 @@ def test_every_matmul_is_covered_or_refused():
         torch.matmul(x, x.t())
     with TileMode(64, False, None, False):
         torch.matmul(x, x.t())  # strict=False: allowed
+
+
+def test_a_dropout_that_is_on_is_refused_by_name():
+    """A model in train() with attention_dropout > 0 draws a random mask each forward: no
+    service forward can give those bits, so strict mode refuses it; in eval(), or with the
+    dropout at 0, the same model scores bitwise as the model at inference does."""
+    model = _model("qwen2", torch.bfloat16, seed=5, attention_dropout=0.1)
+    ids = torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), trainer_numerics(model):
+        want = token_logprobs(model, ids)
+    model.train()
+    with trainer_numerics(model), pytest.raises(ActiveDropout, match=r"p=0\.1 .*train\(\)"):
+        token_logprobs(model, ids)
+    with trainer_numerics(model, strict=False):
+        token_logprobs(model, ids)  # runs, without the guarantee
+    model.config.attention_dropout = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    with trainer_numerics(model):
+        got = token_logprobs(model, ids)  # train(), dropout off: the inference bits
+    assert torch.equal(got, want)
+    # A plain nn.Dropout in train() is refused the same way, whoever calls it.
+    x = torch.randn(4, 8)
+    with TileMode(64, True, None, False):
+        assert torch.equal(nn.Dropout(0.2).eval()(x), x)
+        assert torch.equal(nn.Dropout(0.0).train()(x), x)
+        with pytest.raises(ActiveDropout, match=r"p=0\.2"):
+            nn.Dropout(0.2).train()(x)
+        with pytest.raises(ActiveDropout):
+            torch.dropout(x, 0.5, True)
 
 
 def test_generation_runs_the_models_own_forward_under_the_patch():

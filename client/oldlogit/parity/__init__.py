@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .compare import ParityReport, compare
     from .logprobs import decoder_hidden, head_logits, processed_logprobs, token_logprobs
     from .numerics import (
+        ActiveDropout,
         NumericsPatch,
         UncoveredMatmul,
         local_spec,
@@ -45,6 +46,7 @@ __all__ = [
     "BUFFER_CONVENTION",
     "DEFAULT_TILE_ROWS",
     "PROFILES",
+    "ActiveDropout",
     "InvariantNumericsError",
     "NumericsMismatch",
     "NumericsPatch",
@@ -79,6 +81,7 @@ _LAZY = {
     "head_logits": "logprobs",
     "processed_logprobs": "logprobs",
     "token_logprobs": "logprobs",
+    "ActiveDropout": "numerics",
     "NumericsPatch": "numerics",
     "UncoveredMatmul": "numerics",
     "local_spec": "numerics",

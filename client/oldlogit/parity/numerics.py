@@ -53,7 +53,7 @@ from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, Nume
 
 from . import attention, routing, tensor_parallel
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_for
-from .ops import TileMode, UncoveredMatmul, stable_topk
+from .ops import ActiveDropout, TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
 from .skeleton import buffer_digests, build_skeleton, reference_buffers
 
@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EAGER_EXPERTS",
+    "ActiveDropout",
     "NumericsPatch",
     "UncoveredMatmul",
     "active_patch",
@@ -75,7 +76,7 @@ __all__ = [
 # transformers' experts implementation that calls ``F.linear`` once per expert (the batched and
 # grouped ones call bmm / grouped_mm, whose rows are not tiled).
 EAGER_EXPERTS = "eager"
-_ = (UncoveredMatmul, stable_topk)  # re-exported: part of this module's public names
+_ = (ActiveDropout, UncoveredMatmul, stable_topk)  # re-exported: part of this module's public names
 
 _PATCH_ATTR = "_oldlogit_numerics_patch"
 

@@ -14,7 +14,10 @@ call made batch-invariant, or refused:
   vector body and of a scalar tail with different code, and which elements fall in a tail
   depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
   GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``pointwise.blockwise``;
-- any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode).
+- any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode);
+- a dropout that is on (training, p > 0: an ``nn.Dropout`` of a model in ``train()``, the
+  attention's ``attention_dropout``) raises ``ActiveDropout`` (strict mode): its mask is drawn
+  at random, so no other forward — the service's least of all — can give the same bits.
 Must not know about models, segments or the service.
 """
 
@@ -34,11 +37,22 @@ from .attention import InvariantNumericsError
 from .pointwise import POINTWISE_BLOCK, blockwise
 from .tiles import tiled_linear
 
-__all__ = ["POINTWISE_BLOCK", "TileMode", "UncoveredMatmul", "blockwise", "stable_topk"]
+__all__ = [
+    "POINTWISE_BLOCK",
+    "ActiveDropout",
+    "TileMode",
+    "UncoveredMatmul",
+    "blockwise",
+    "stable_topk",
+]
 
 
 class UncoveredMatmul(InvariantNumericsError):
     """The model ran a matmul the invariant numerics do not cover (its rows could change bits)."""
+
+
+class ActiveDropout(InvariantNumericsError):
+    """The model ran a dropout that is on: a random mask no other forward reproduces."""
 
 
 def _contracted(func: Callable[..., Any], args: tuple[Any, ...]) -> int:
@@ -82,6 +96,35 @@ _MATMULS: frozenset[Callable[..., Any]] = frozenset(
     }
 )
 _TOPKS: frozenset[Callable[..., Any]] = frozenset({torch.topk, torch.Tensor.topk})
+
+# Dropouts, with whether each is on when its ``training`` argument is not given.
+_DROPOUTS: dict[Callable[..., Any], bool] = {
+    F.dropout: True,
+    F.dropout1d: True,
+    F.dropout2d: True,
+    F.dropout3d: True,
+    F.alpha_dropout: False,
+    F.feature_alpha_dropout: False,
+    **{
+        f: True
+        for name in ("dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout")
+        for f in (getattr(torch, name, None), getattr(torch, name + "_", None))
+        if f is not None
+    },
+}
+
+
+def _dropout_on(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """The probability of a dropout call that is on (training and p > 0), else 0."""
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train"))
+    if training is None:
+        training = _DROPOUTS[func]
+    try:
+        return float(p) if bool(training) and float(p) > 0 else 0.0
+    except (TypeError, ValueError):
+        return 1.0  # not a number we can read: treat it as on
+
 
 # Unary pointwise functions whose CPU vector and scalar code may round differently.
 _POINTWISE: frozenset[Callable[..., Any]] = frozenset(
@@ -161,7 +204,7 @@ class TileMode(TorchFunctionMode):
         # What a rule applies to; every other call (views, adds, a tensor's attributes: most
         # of a forward's few hundred) passes straight through.
         self._ruled = frozenset({F.linear}) | (
-            frozenset() if tile_rows is None else _TOPKS | _POINTWISE | _MATMULS
+            frozenset() if tile_rows is None else _TOPKS | _POINTWISE | _MATMULS | set(_DROPOUTS)
         )
 
     def __torch_function__(
@@ -218,6 +261,17 @@ class TileMode(TorchFunctionMode):
             return routing.routed_topk(x, k, dim, largest, stable_topk(x, k, dim, largest))
         if func in _POINTWISE and _cpu_float(args):
             return blockwise(func, *args, **kwargs)
+        if self.strict and func in _DROPOUTS:
+            p = _dropout_on(func, args, kwargs)
+            if p:
+                raise ActiveDropout(
+                    f"a dropout with p={p:g} is on in this forward (a module in train() mode: "
+                    "nn.Dropout, the attention's attention_dropout): its mask is random, so "
+                    "no forward of the service gives these logprobs. Score with the dropout "
+                    "probabilities at 0 (config attention_dropout / hidden_dropout / "
+                    "resid_pdrop = 0; TRL: disable_dropout=True) or in model.eval() "
+                    "(strict=False runs it anyway, without the guarantee)"
+                )
         if (
             self.strict
             and func in _MATMULS

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from oldlogit.parity import token_logprobs, trainer_numerics
-from oldlogit.parity.numerics import UncoveredMatmul
+from oldlogit.parity.numerics import RandomForward, UncoveredMatmul
 from oldlogit.parity.ops import POINTWISE_BLOCK, TileMode, blockwise, stable_topk
 from tests.architectures import hf_model
 
@@ -131,6 +131,36 @@ def test_expert_kernels_outside_the_tiles_are_refused(kernel):
         with pytest.raises(UncoveredMatmul, match="outside oldlogit's tiles"):
             token_logprobs(model, ids)
     assert model.config._experts_implementation == original  # restored on exit
+
+
+def test_random_draws_in_a_training_forward_are_refused():
+    """Mixtral's router jitter multiplies a training forward's hidden states by uniform noise:
+    two calls differ, and so would the service. Strict mode refuses the draw by name; with the
+    jitter at 0 the training forward has the eval bits."""
+    model = hf_model("mixtral")
+    ids = torch.randint(3, 150, (2, 20), generator=torch.Generator().manual_seed(0))
+    with trainer_numerics(model):
+        want = token_logprobs(model, ids)
+    blocks = [m for m in model.modules() if hasattr(m, "jitter_noise")]
+    assert blocks
+    for block in blocks:
+        block.jitter_noise = 0.3
+    model.train()
+    with trainer_numerics(model), pytest.raises(RandomForward, match="uniform_ draws random"):
+        token_logprobs(model, ids)
+    for block in blocks:
+        block.jitter_noise = 0.0
+    with trainer_numerics(model):
+        assert torch.equal(token_logprobs(model, ids), want)
+    x = torch.randn(3, 4)
+    with TileMode(64, True, None, False):
+        for draw in (lambda: torch.rand(3), lambda: torch.randn_like(x), lambda: x.normal_()):
+            with pytest.raises(RandomForward):
+                draw()
+    with TileMode(64, False, None, False):
+        torch.rand(3)  # strict=False: allowed
+    with TileMode(None, True, None, False):
+        torch.rand(3)  # the plain profile promises nothing
 
 
 def test_one_call_pointwise_is_checked_then_used_with_several_threads():

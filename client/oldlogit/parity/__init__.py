@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .numerics import (
         ActiveDropout,
         NumericsPatch,
+        RandomForward,
         UncoveredMatmul,
         local_spec,
         patch_numerics,
@@ -54,6 +55,7 @@ __all__ = [
     "ParityBroken",
     "ParityReport",
     "Profile",
+    "RandomForward",
     "SamplingParams",
     "TraceStage",
     "UncoveredMatmul",
@@ -83,6 +85,7 @@ _LAZY = {
     "token_logprobs": "logprobs",
     "ActiveDropout": "numerics",
     "NumericsPatch": "numerics",
+    "RandomForward": "numerics",
     "UncoveredMatmul": "numerics",
     "local_spec": "numerics",
     "patch_numerics": "numerics",

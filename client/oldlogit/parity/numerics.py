@@ -53,7 +53,7 @@ from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, Nume
 
 from . import attention, routing, tensor_parallel
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_for
-from .ops import ActiveDropout, TileMode, UncoveredMatmul, stable_topk
+from .ops import ActiveDropout, RandomForward, TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
 from .skeleton import buffer_digests, build_skeleton, reference_buffers
 
@@ -63,6 +63,7 @@ __all__ = [
     "EAGER_EXPERTS",
     "ActiveDropout",
     "NumericsPatch",
+    "RandomForward",
     "UncoveredMatmul",
     "active_patch",
     "head_fp32_override",
@@ -76,7 +77,12 @@ __all__ = [
 # transformers' experts implementation that calls ``F.linear`` once per expert (the batched and
 # grouped ones call bmm / grouped_mm, whose rows are not tiled).
 EAGER_EXPERTS = "eager"
-_ = (ActiveDropout, UncoveredMatmul, stable_topk)  # re-exported: part of this module's public names
+_ = (
+    ActiveDropout,
+    RandomForward,
+    UncoveredMatmul,
+    stable_topk,
+)  # re-exported: part of this module's public names
 
 _PATCH_ATTR = "_oldlogit_numerics_patch"
 

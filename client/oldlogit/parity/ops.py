@@ -15,9 +15,11 @@ call made batch-invariant, or refused:
   depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
   GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``pointwise.blockwise``;
 - any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode);
-- a dropout that is on (training, p > 0: an ``nn.Dropout`` of a model in ``train()``, the
-  attention's ``attention_dropout``) raises ``ActiveDropout`` (strict mode): its mask is drawn
-  at random, so no other forward — the service's least of all — can give the same bits.
+- a random draw raises ``RandomForward`` (strict mode): no other forward — the service's
+  least of all — can give the same bits. A dropout that is on (training, p > 0: an
+  ``nn.Dropout`` of a model in ``train()``, the attention's ``attention_dropout``) raises its
+  subclass ``ActiveDropout``; any other draw (Mixtral's ``router_jitter_noise`` in training:
+  ``uniform_``, ``rand``, ``normal_``, …) ``RandomForward`` itself.
 Must not know about models, segments or the service.
 """
 
@@ -40,6 +42,7 @@ from .tiles import tiled_linear
 __all__ = [
     "POINTWISE_BLOCK",
     "ActiveDropout",
+    "RandomForward",
     "TileMode",
     "UncoveredMatmul",
     "blockwise",
@@ -51,7 +54,11 @@ class UncoveredMatmul(InvariantNumericsError):
     """The model ran a matmul the invariant numerics do not cover (its rows could change bits)."""
 
 
-class ActiveDropout(InvariantNumericsError):
+class RandomForward(InvariantNumericsError):
+    """The model drew random numbers in its forward: bits no other forward reproduces."""
+
+
+class ActiveDropout(RandomForward):
     """The model ran a dropout that is on: a random mask no other forward reproduces."""
 
 
@@ -112,6 +119,49 @@ _DROPOUTS: dict[Callable[..., Any], bool] = {
         if f is not None
     },
 }
+
+
+# Random draws (factories, in-place samplers): whatever the seed, no other forward has them.
+_RANDOM: frozenset[Callable[..., Any]] = frozenset(
+    f
+    for owner, names in (
+        (
+            torch,
+            (
+                "rand",
+                "rand_like",
+                "randn",
+                "randn_like",
+                "randint",
+                "randint_like",
+                "randperm",
+                "normal",
+                "bernoulli",
+                "multinomial",
+                "poisson",
+                "binomial",
+            ),
+        ),
+        (
+            torch.Tensor,
+            (
+                "uniform_",
+                "normal_",
+                "bernoulli",
+                "bernoulli_",
+                "random_",
+                "exponential_",
+                "geometric_",
+                "cauchy_",
+                "log_normal_",
+                "multinomial",
+            ),
+        ),
+        (F, ("gumbel_softmax",)),
+    )
+    for f in (getattr(owner, name, None) for name in names)
+    if f is not None
+)
 
 
 def _dropout_on(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
@@ -204,7 +254,9 @@ class TileMode(TorchFunctionMode):
         # What a rule applies to; every other call (views, adds, a tensor's attributes: most
         # of a forward's few hundred) passes straight through.
         self._ruled = frozenset({F.linear}) | (
-            frozenset() if tile_rows is None else _TOPKS | _POINTWISE | _MATMULS | set(_DROPOUTS)
+            frozenset()
+            if tile_rows is None
+            else _TOPKS | _POINTWISE | _MATMULS | _RANDOM | set(_DROPOUTS)
         )
 
     def __torch_function__(
@@ -272,6 +324,14 @@ class TileMode(TorchFunctionMode):
                     "resid_pdrop = 0; TRL: disable_dropout=True) or in model.eval() "
                     "(strict=False runs it anyway, without the guarantee)"
                 )
+        if self.strict and func in _RANDOM:
+            raise RandomForward(
+                f"{getattr(func, '__name__', func)} draws random numbers in this forward (a "
+                "module in train() mode: Mixtral's router_jitter_noise, layer drop, noise "
+                "injection): no forward of the service gives these logprobs. Score with that "
+                "noise off (its config value at 0) or in model.eval() (strict=False runs it "
+                "anyway, without the guarantee)"
+            )
         if (
             self.strict
             and func in _MATMULS

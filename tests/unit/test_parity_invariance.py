@@ -383,6 +383,28 @@ def test_segment_plans():
     assert torch.equal(pos, packed)
     with pytest.raises(InvariantNumericsError, match="position_ids"):
         plan_segments(1, 5, torch.tensor([[1, 1, 0, 1, 1]]), None)
+    assert segs.continued == ()
+    # A sequence whose positions do not start at 0 continues one begun outside this batch.
+    segs, _ = plan_segments(1, 6, None, torch.tensor([[7, 8, 9, 0, 1, 2]]))
+    assert segs.rows == ((0, 0, 3), (0, 3, 6)) and segs.continued == ((0, 0, 7),)
+
+
+def test_a_slice_of_a_sequence_is_refused_and_whole_sequences_hold():
+    """Sequence parallelism (verl's Ulysses) hands a rank the middle of a sequence, positions
+    continuing: oldlogit's attention would see only the slice, the service scores the whole
+    sequence, so strict mode refuses it by name. A slice that starts at a sequence's beginning
+    scores each sequence as the whole batch does."""
+    model = _model("qwen2", torch.bfloat16, seed=2)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(4))
+    pos = torch.cat([torch.arange(12), torch.arange(12)])[None]
+    with trainer_numerics(model), torch.no_grad():
+        with pytest.raises(InvariantNumericsError, match="start a sequence at position 5"):
+            token_logprobs(model, ids[:, 5:12], position_ids=torch.arange(5, 12)[None])
+        both = token_logprobs(model, ids, position_ids=pos)
+        second = token_logprobs(model, ids[:, 12:], position_ids=pos[:, 12:])
+    assert torch.equal(both[:, 12:], second)
+    with trainer_numerics(model, strict=False), torch.no_grad():
+        token_logprobs(model, ids[:, 5:12], position_ids=torch.arange(5, 12)[None])
 
 
 def test_contraction_detection_of_the_tripwire() -> None:

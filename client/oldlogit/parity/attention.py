@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .pointwise import seeded_randn
+
 __all__ = [
     "ATTENTION_NAME",
     "InvariantNumericsError",
@@ -101,7 +103,7 @@ def _one_thread_bits(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) ->
     if agree is None:
         with _threads_lock, torch.no_grad():
             gen = torch.Generator().manual_seed(len(_threads_agree) + 1)
-            probe = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in (q, k, v)]
+            probe = [seeded_randn(*t.shape, generator=gen).to(t.dtype) for t in (q, k, v)]
             here = _segment_attention(*probe, **params)
             with one_thread():
                 one = _segment_attention(*probe, **params)
@@ -128,6 +130,9 @@ class Segments:
     rows: tuple[tuple[int, int, int], ...]
     batch: int
     length: int
+    # (batch row, start, its position id) of each sequence whose given position ids do not
+    # start at 0: the rest of a sequence whose beginning is not in this batch.
+    continued: tuple[tuple[int, int, int], ...] = ()
     _groups: dict[tuple[bool, str], list[tuple[int, int, Tensor]]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -226,8 +231,18 @@ def plan_segments(
     start_idx = starts.nonzero().tolist()  # row-major: (b, t) in order
     end_idx = ends.nonzero().tolist()
     rows = tuple((b, s, e + 1) for (b, s), (_, e) in zip(start_idx, end_idx, strict=True))
+    continued: tuple[tuple[int, int, int], ...] = ()
+    if position_ids is not None:
+        first = positions[starts]  # [sequences], row-major like start_idx
+        if bool((first != 0).any()):
+            continued = tuple(
+                (b, s, int(p))
+                for (b, s), p in zip(start_idx, first.tolist(), strict=True)
+                if p != 0
+            )
     out_pos = position_ids if position_ids is not None else positions
-    return Segments(rows=rows, batch=batch, length=length), out_pos.to(device, torch.int64)
+    segments = Segments(rows=rows, batch=batch, length=length, continued=continued)
+    return segments, out_pos.to(device, torch.int64)
 
 
 # A plan made by the caller of a forward for its very inputs (``token_logprobs`` plans before

@@ -721,6 +721,17 @@ def _invariant_call(
     segments, positions = plan_for(
         batch, length, kwargs.get("attention_mask"), kwargs.get("position_ids")
     )
+    if segments.continued and patch.strict:
+        b, s, p = segments.continued[0]
+        raise InvariantNumericsError(
+            f"position_ids start a sequence at position {p} (batch row {b}, token {s}; "
+            f"{len(segments.continued)} such): the rest of a sequence whose beginning is not in "
+            "this forward — a slice from sequence or context parallelism (verl's Ulysses, "
+            "torch's context_parallel) or a chunked forward. oldlogit's attention sees only "
+            "this forward's tokens and the service scores whole sequences from position 0, "
+            "so these logprobs cannot be the service's: give each sequence whole, positions "
+            "restarting at 0 (strict=False runs it anyway, without the guarantee)"
+        )
     kwargs["position_ids"] = positions.to(ref.device)
     kwargs[SEGMENTS_KWARG] = segments
     kwargs["use_cache"] = False

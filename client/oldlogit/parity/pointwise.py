@@ -19,12 +19,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["POINTWISE_BLOCK", "blockwise"]
+__all__ = ["POINTWISE_BLOCK", "blockwise", "seeded_randn"]
 
 # Elements per pointwise call: a multiple of every CPU vector body (no scalar tail) and at most
 # torch's parallel grain (32768), so one thread computes the block and never splits it.
 POINTWISE_BLOCK = 32768
 _ALIGN = 64
+
+
+def seeded_randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    """Standard-normal values for a once-per-process kernel check (float32, CPU), drawn
+    outside any torch-function mode: the invariant numerics refuse random draws in a model's
+    forward (``ops.RandomForward``), and a check may run inside one."""
+    with torch._C.DisableTorchFunction():
+        return torch.randn(*shape, generator=generator)
 
 
 def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) -> Tensor:
@@ -98,7 +106,7 @@ def _one_call_verified(
                 size = used * (_GRAIN + 7 * _ALIGN)  # ⌈size / GRAIN⌉ ≥ used: all threads
             else:
                 size = used * (_GRAIN - 3 * _ALIGN)  # ⌈size / GRAIN⌉ = used
-            probe = (torch.randn(size, generator=gen) * 3).to(flat.dtype)
+            probe = (seeded_randn(size, generator=gen) * 3).to(flat.dtype)
             ok = bool(torch.equal(func(probe, *rest, **kwargs), _blocks(func, probe, rest, kwargs)))
             _one_call[key] = ok
     return ok

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from oldlogit.contract.numerics import DEFAULT_TP_CHUNKS
 
 from .attention import InvariantNumericsError, one_thread
-from .pointwise import blockwise
+from .pointwise import blockwise, seeded_randn
 from .tiles import tiled_linear, tiled_mm
 
 __all__ = [
@@ -423,7 +423,7 @@ _verify_lock = threading.Lock()
 
 def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(device, dtype)
+    return seeded_randn(*shape, generator=gen).to(device, dtype)
 
 
 def _threads_verified(

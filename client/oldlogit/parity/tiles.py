@@ -40,6 +40,8 @@ from torch import Tensor
 
 from oldlogit.contract.numerics import DEFAULT_TILE_ROWS
 
+from .pointwise import seeded_randn
+
 __all__ = [
     "CHUNK_ROWS",
     "TileStrategy",
@@ -80,7 +82,7 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
     k = weight.shape[1]
     with _verify_lock, torch.no_grad():
         gen = torch.Generator().manual_seed(chunk_rows * 131 + k)
-        rows = torch.randn(chunk_rows, k, generator=gen).to(weight.device, weight.dtype)
+        rows = seeded_randn(chunk_rows, k, generator=gen).to(weight.device, weight.dtype)
         w = weight.detach()
         b = None if bias is None else bias.detach()
         whole = _gemm(rows, w.t(), b, rows.new_empty(chunk_rows, w.shape[0]))

@@ -407,6 +407,22 @@ def test_a_slice_of_a_sequence_is_refused_and_whole_sequences_hold():
         token_logprobs(model, ids[:, 5:12], position_ids=torch.arange(5, 12)[None])
 
 
+def test_flash_attention_sequence_bounds_must_agree_with_the_position_ids():
+    """A packed forward may pass flash-attention's varlen bounds (``cu_seq_lens_q``/``_k``,
+    as AReaL does) beside position_ids: bounds that agree change nothing, bounds that mark
+    other sequences than the positions do are refused by name instead of being ignored."""
+    model = _model("qwen2", torch.float32, seed=4)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 14, "max_length_k": 14}
+    with trainer_numerics(model), torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos).logits
+        assert torch.equal(model(input_ids=ids, position_ids=pos, **varlen).logits, want)
+        with pytest.raises(InvariantNumericsError, match=r"cu_seq_lens .*\[0, 10, 24\].*\[0, 24\]"):
+            model(input_ids=ids, position_ids=torch.arange(24)[None], **varlen)
+
+
 def test_contraction_detection_of_the_tripwire() -> None:
     from oldlogit.parity.ops import _contracted
 

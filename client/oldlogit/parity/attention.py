@@ -139,6 +139,28 @@ class Segments:
     _plans: dict[tuple[bool, str], tuple[list[int], list[tuple[int, int]], Tensor | None]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _bounds_checked: set[int] = field(default_factory=set, compare=False, repr=False)
+
+    def check_bounds(self, name: str, cu_seq_lens: Tensor) -> None:
+        """A packed forward's ``cu_seq_lens_q``/``_k`` (flash-attention varlen: sequence i is
+        tokens [cu[i], cu[i+1]) of the flattened batch) must mark the sequences this plan found
+        in the mask and position ids; checked once per tensor."""
+        if id(cu_seq_lens) in self._bounds_checked:
+            return
+        bounds = [b * self.length + s for b, s, _ in self.rows]
+        if self.rows:
+            b, _, e = self.rows[-1]
+            bounds.append(b * self.length + e)
+        given = [int(x) for x in cu_seq_lens.detach().reshape(-1).tolist()]
+        if given != bounds:
+            raise InvariantNumericsError(
+                f"{name}: cu_seq_lens mark sequences at token offsets {given[:8]}"
+                f"{'…' if len(given) > 8 else ''}, the position ids at {bounds[:8]}"
+                f"{'…' if len(bounds) > 8 else ''}: oldlogit's attention takes sequences from "
+                "position_ids (restarting at 0 per packed sequence) and the attention mask, "
+                "so give each packed sequence positions from 0"
+            )
+        self._bounds_checked.add(id(cu_seq_lens))
 
     def gather_plan(
         self, share: bool, device: torch.device
@@ -358,6 +380,9 @@ def invariant_attention(
         raise InvariantNumericsError(f"{name}: attention sinks are not supported")
     if key.shape[2] != query.shape[2]:
         raise InvariantNumericsError(f"{name}: a KV cache is not supported in scoring calls")
+    for bounds in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if isinstance(kwargs.get(bounds), Tensor):
+            segments.check_bounds(name, kwargs[bounds])
     batch, heads, length, head_dim = query.shape
     v_dim = value.shape[-1]  # differs from head_dim in multi-head latent attention (DeepSeek)
     if (segments.batch, segments.length) != (batch, length):

@@ -407,6 +407,25 @@ def test_a_slice_of_a_sequence_is_refused_and_whole_sequences_hold():
         token_logprobs(model, ids[:, 5:12], position_ids=torch.arange(5, 12)[None])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_called_on_its_own_computes_as_inside_the_forward(dtype):
+    """A trainer's chunked loss takes the forward's hidden states and calls the head itself,
+    a few rows at a time: under the patch those logits are the forward's own, bit for bit,
+    whatever the chunk (with the fp32 head too); on exit the head is the model's again."""
+    model = _model("qwen2", dtype, seed=6, hidden_size=256, intermediate_size=512)
+    ids = torch.randint(0, VOCAB, (3, 45), generator=torch.Generator().manual_seed(6))
+    for fp32 in (False, True):
+        with trainer_numerics(model, lm_head_fp32=fp32), torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+            hidden = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])
+            want = out.logits.reshape(-1, out.logits.shape[-1])
+            for chunk in (1, 7, 37, 64, 100):
+                for a in range(0, hidden.shape[0], chunk):
+                    got = model.lm_head(hidden[a : a + chunk])
+                    assert torch.equal(got, want[a : a + chunk]), (fp32, chunk, a)
+    assert "forward" not in model.lm_head.__dict__
+
+
 def test_flash_attention_sequence_bounds_must_agree_with_the_position_ids():
     """A packed forward may pass flash-attention's varlen bounds (``cu_seq_lens_q``/``_k``,
     as AReaL does) beside position_ids: bounds that agree change nothing, bounds that mark

@@ -627,6 +627,20 @@ def patch_numerics(
         return _invariant_call(patch, original, args, kwargs)
 
     _set_forward(core, _eager(forward))
+    # The head called on its own, outside the model's forward — a trainer's chunked loss over
+    # the hidden states (``output_hidden_states``, then ``model.lm_head(h)`` chunk by chunk) —
+    # computes as it does inside: through the tiles, in the head's dtype. Inside the forward
+    # the mode is already on and this adds nothing.
+    head_out = core.get_output_embeddings()  # type: ignore[operator]
+    if isinstance(head_out, nn.Module):
+        head_call = head_out.forward
+
+        def head_forward(*args: Any, **kwargs: Any) -> Any:
+            fp32 = _HEAD_FP32.get()
+            with _tile_mode(patch, head_out, patch.lm_head_fp32 if fp32 is None else fp32):
+                return head_call(*args, **kwargs)
+
+        _set_forward(head_out, _eager(head_forward))
     if tp_chunks:
         for module in rowwise.values():
             _set_forward(module, functools.partial(_row_parallel_forward, module))

@@ -426,6 +426,38 @@ def test_the_head_called_on_its_own_computes_as_inside_the_forward(dtype):
     assert "forward" not in model.lm_head.__dict__
 
 
+def test_a_mask_of_sequence_ids_must_agree_with_the_position_ids():
+    """Some packers mark packed sequences by id in the attention mask (1, 1, 2, 2, 2): beside
+    position ids that restart there it gives the packed bits; without position ids, or where
+    they continue a sequence, it is refused by name instead of read as one long sequence."""
+    model = _model("qwen2", torch.float32, seed=8)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(8))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    seq_ids = torch.cat([torch.ones(10), 2 * torch.ones(14)]).long()[None]
+    with trainer_numerics(model), torch.no_grad():
+        want = token_logprobs(model, ids, position_ids=pos)
+        assert torch.equal(token_logprobs(model, ids, seq_ids, position_ids=pos), want)
+        with pytest.raises(InvariantNumericsError, match=r"by id .* without position_ids"):
+            token_logprobs(model, ids, seq_ids)
+        with pytest.raises(InvariantNumericsError, match="position_ids continue"):
+            token_logprobs(model, ids, seq_ids, position_ids=torch.arange(24)[None])
+        with pytest.raises(InvariantNumericsError, match="negative values"):
+            token_logprobs(model, ids, torch.where(seq_ids > 1, 0.0, -1e9))
+
+
+def test_a_micro_batch_of_padding_only_scores_zeros_and_backpropagates():
+    """A data-parallel rank's filler micro-batch (every token padding) gives zeros that still
+    hang on the graph: the trainer's backward runs and adds nothing."""
+    model = _model("qwen2", torch.float32, seed=9)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(9))
+    with trainer_numerics(model):
+        lp = token_logprobs(model, ids, torch.zeros_like(ids))
+        lp.sum().backward()
+    assert torch.equal(lp.detach(), torch.zeros(2, 8))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(bool((g == 0).all()) for g in grads)
+
+
 def test_flash_attention_sequence_bounds_must_agree_with_the_position_ids():
     """A packed forward may pass flash-attention's varlen bounds (``cu_seq_lens_q``/``_k``,
     as AReaL does) beside position_ids: bounds that agree change nothing, bounds that mark

@@ -171,7 +171,11 @@ class Segments:
         key = (share, str(device))
         if key not in self._plans:
             groups = self.groups(share, device)
-            index = torch.cat([idx for _, _, idx in groups])
+            index = (
+                torch.cat([idx for _, _, idx in groups])
+                if groups
+                else torch.empty(0, dtype=torch.int64, device=device)  # every token padding
+            )
             identity = index.shape[0] == self.batch * self.length and bool(
                 torch.equal(index.cpu(), torch.arange(index.shape[0]))
             )
@@ -227,9 +231,20 @@ def plan_segments(
                 f"attention_mask must be a [batch, seq] padding mask of shape "
                 f"{[batch, length]}, got {list(attention_mask.shape)}"
             )
-        real = attention_mask.detach().to("cpu", torch.bool)  # [B, T]
+        mask = attention_mask.detach().to("cpu")
+        real = mask.to(torch.bool)  # [B, T]
+        seq_ids = None  # sequence ids of packed rows (values above 1), as some packers give
+        if mask.dtype != torch.bool:
+            if bool((mask < 0).any()):
+                raise InvariantNumericsError(
+                    "attention_mask holds negative values (an additive mask?): give 1 for "
+                    "real tokens and 0 for padding"
+                )
+            if bool((mask > 1).any()):
+                seq_ids = mask
     else:
         real = torch.ones(batch, length, dtype=torch.bool)
+        seq_ids = None
     prev_real = torch.cat([torch.zeros(batch, 1, dtype=torch.bool), real[:, :-1]], dim=1)
     if position_ids is None:
         starts = real & ~prev_real  # [B, T]
@@ -245,6 +260,22 @@ def plan_segments(
         positions = position_ids.detach().to("cpu", torch.int64).expand(batch, length)
         prev = torch.cat([positions[:, :1] - 1, positions[:, :-1]], dim=1)
         starts = real & (~prev_real | (positions != prev + 1))
+    if seq_ids is not None:
+        # Packed rows marked by sequence ids in the mask (1, 1, 2, 2, 2, 3 …): every change of
+        # id between real tokens must be where the position ids start a sequence.
+        prev_ids = torch.cat([seq_ids[:, :1], seq_ids[:, :-1]], dim=1)
+        changed = real & prev_real & (seq_ids != prev_ids)
+        if position_ids is None or bool((changed & ~starts).any()):
+            raise InvariantNumericsError(
+                "attention_mask marks packed sequences by id (values above 1) "
+                + (
+                    "without position_ids"
+                    if position_ids is None
+                    else "where position_ids continue one sequence"
+                )
+                + ": pass position_ids restarting at 0 per sequence (and a 0/1 mask); "
+                "oldlogit takes sequences from the positions"
+            )
     # A sequence ends where the next token is padding, starts another sequence, or is missing.
     next_breaks = torch.cat(
         [starts[:, 1:] | ~real[:, 1:], torch.ones(batch, 1, dtype=torch.bool)], 1
@@ -433,6 +464,8 @@ def invariant_attention(
 
             res = attend(calls(q), calls(k), calls(v), params)  # [n, H, L, Dv]
             parts.append(res.transpose(1, 2).reshape(n * seg_len, heads, v_dim))
+    if not parts:  # every token is padding: nothing attends, the rows stay 0
+        return query.new_zeros(batch, length, heads, v_dim), None
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [Σ n·L, H, Dv]
     if index is not None:  # padding rows stay 0
         rows = rows.new_zeros(batch * length, heads, v_dim).index_copy(0, index, rows)

@@ -252,10 +252,15 @@ def token_logprobs(
     covered = real[:, length - rows :].reshape(-1)  # [B * rows]
     flat_logits = logits.reshape(batch * rows, vocab)
     lp = torch.zeros(batch * rows, dtype=torch.float32, device=device)
-    for a, c in _spans(covered):
+    spans = _spans(covered)
+    for a, c in spans:
         lp[a:c] = processed_logprobs(
             flat_logits[a:c], targets[a:c].long(), sampling, tp_chunks=tp_chunks
         )
+    if not spans and flat_logits.requires_grad:
+        # Nothing to score (a micro-batch of padding only, e.g. a data-parallel rank's filler):
+        # zeros that still hang on the graph, so the trainer's backward runs and gives 0.
+        lp = lp + flat_logits.reshape(-1)[:0].sum()
     result = lp.view(batch, rows)[:, lo : lo + width]  # columns: positions [first, length)
     mask = scored[:, first:].to(device)  # [B, Q]
     result = torch.where(mask, result, result.new_zeros(()))

@@ -261,17 +261,17 @@ def plan_segments(
         prev = torch.cat([positions[:, :1] - 1, positions[:, :-1]], dim=1)
         starts = real & (~prev_real | (positions != prev + 1))
     if seq_ids is not None:
-        # Packed rows marked by sequence ids in the mask (1, 1, 2, 2, 2, 3 …): every change of
-        # id between real tokens must be where the position ids start a sequence.
+        # Packed rows marked by sequence ids in the mask (1, 1, 2, 2, 2, 3 …): the ids must
+        # change exactly where the position ids start a sequence within a run of real tokens.
         prev_ids = torch.cat([seq_ids[:, :1], seq_ids[:, :-1]], dim=1)
         changed = real & prev_real & (seq_ids != prev_ids)
-        if position_ids is None or bool((changed & ~starts).any()):
+        if position_ids is None or not torch.equal(changed, starts & prev_real):
             raise InvariantNumericsError(
                 "attention_mask marks packed sequences by id (values above 1) "
                 + (
                     "without position_ids"
                     if position_ids is None
-                    else "where position_ids continue one sequence"
+                    else "where the position ids start sequences elsewhere"
                 )
                 + ": pass position_ids restarting at 0 per sequence (and a 0/1 mask); "
                 "oldlogit takes sequences from the positions"

@@ -482,6 +482,7 @@ class Runtime:
             buffers=dict(spec.buffers),
             buffer_convention=BUFFER_CONVENTION,
             transformers_version=spec.transformers_version,
+            numerics_config=dict(spec.config),
             tp_chunks=spec.tp_chunks,
             tensor_parallel=self.ranks.degree if self.ranks is not None else 1,
             ranks=self._rank_infos(),

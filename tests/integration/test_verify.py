@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from oldlogit import Client
 from oldlogit.contract import errors
-from oldlogit.parity import ParityBroken, trainer_numerics, verify
+from oldlogit.parity import NumericsMismatch, ParityBroken, trainer_numerics, verify
 from oldlogit.parity.numerics import NumericsPatch
 from tests.integration.conftest import Served, start_served
 
@@ -96,6 +96,25 @@ def test_one_layers_attention_kernel_is_named(bf16: Served, model_dir: Path, tra
     assert "layer 1's attention output" in str(err.value)
     # embeddings, rotary tables, layer 0's four submodules and output, layer 1's input norm
     assert "(the 8 stages before agree)" in str(err.value)
+
+
+def test_a_config_that_computes_another_function_is_refused_by_like(
+    bf16: Served, model_dir: Path, transport: str
+) -> None:
+    """/v1/info carries the config fields that decide the bits beyond weights and buffers, over
+    both transports; a trainer whose config says another ``rms_norm_eps`` (same weights, same
+    buffers: nothing else would tell) is refused by ``like=`` naming the field."""
+    with Client(bf16.url(transport)) as c:
+        spec = c.info().numerics_spec()
+        fields = dict(spec.config)
+        assert fields["rms_norm_eps"] and fields["num_hidden_layers"] == "2", fields
+        model = _model(bf16, model_dir, torch.bfloat16)
+        with trainer_numerics(model, like=spec):
+            pass
+        model.config.rms_norm_eps = 1e-3
+        with pytest.raises(NumericsMismatch, match=r"config rms_norm_eps: 0\.001 here"):
+            with trainer_numerics(model, like=spec):
+                pass
 
 
 def test_the_heads_dtype_is_named(bf16: Served, model_dir: Path, transport: str) -> None:

@@ -9,6 +9,8 @@ contract is tests/integration/test_trainer_parity.py.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -360,6 +362,14 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
         with pytest.raises(NumericsMismatch, match=word):
             with trainer_numerics(model, like=other):
                 pass
+    # Config fields beyond weights and buffers: compared where both sides report them.
+    here = local_spec(model, profile="invariant", tile_rows=16, lm_head_fp32=True)
+    assert ("rms_norm_eps", json.dumps(model.config.rms_norm_eps)) in here.config
+    other_eps = NumericsSpec(**{**here.as_dict(), "config": (("rms_norm_eps", "0.5"),)})
+    assert here.mismatches(other_eps) == [
+        f"config rms_norm_eps: {json.dumps(model.config.rms_norm_eps)} here, 0.5 there"
+    ]
+    assert here.mismatches(NumericsSpec(**{**here.as_dict(), "config": ()})) == []
     hf = NumericsSpec(**{**service.as_dict(), "profile": "hf", "tile_rows": None})
     with pytest.raises(NumericsMismatch, match="hf"):
         with trainer_numerics(model, like=hf):

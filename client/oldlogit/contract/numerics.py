@@ -8,11 +8,13 @@ disagree on. Imported by the torch-free client; never imports torch.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 __all__ = [
     "BUFFER_CONVENTION",
+    "CONFIG_FIELDS",
     "DEFAULT_TILE_ROWS",
     "DEFAULT_TP_CHUNKS",
     "NUMERICS_REVISION",
@@ -21,6 +23,7 @@ __all__ = [
     "NumericsSpec",
     "Profile",
     "SamplingParams",
+    "config_fields",
 ]
 
 # Rows per GEMM tile in the invariant profile. Part of the numerics: a trainer and the service
@@ -47,6 +50,57 @@ NUMERICS_REVISION = 2
 # own constructors, never cast afterwards (``skeleton.py``). Reported in /v1/info; a trainer
 # under ``trainer_numerics`` computes with the same values.
 BUFFER_CONVENTION = "config"
+
+# Model config fields that decide a forward's bits beyond its weights and buffers, as scalars
+# every supported transformers release writes the same way (a trainer whose config says another
+# ``rms_norm_eps`` or soft-cap computes another function). Rotary settings are covered by the
+# buffers they build; sliding windows and layer types are left out, as releases spell their
+# defaults differently.
+CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "hidden_act",
+    "hidden_activation",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "attention_bias",
+    "mlp_bias",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "logit_scale",
+    "logits_scaling",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "n_group",
+    "topk_group",
+)
+
+
+def config_fields(config: Any) -> tuple[tuple[str, str], ...]:
+    """``CONFIG_FIELDS`` of a transformers config (its text part), name → JSON value; fields
+    the config does not set are left out."""
+    if config is None:
+        return ()
+    text = getattr(config, "get_text_config", None)
+    cfg = text() if callable(text) else config
+    out = []
+    for name in CONFIG_FIELDS:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            out.append((name, json.dumps(value, sort_keys=True, default=str)))
+    return tuple(out)
+
 
 Profile = Literal["invariant", "hf"]
 PROFILES: tuple[Profile, ...] = ("invariant", "hf")
@@ -100,6 +154,7 @@ class NumericsSpec:
     buffers: tuple[tuple[str, str], ...] = ()
     transformers_version: str = ""
     tp_chunks: int = 0
+    config: tuple[tuple[str, str], ...] = ()  # ``config_fields`` of the model
 
     @property
     def key(self) -> str:
@@ -146,4 +201,9 @@ class NumericsSpec:
                 a, b = mine.get(name, "absent"), theirs.get(name, "absent")
                 if a != b:
                     out.append(f"buffer {name}: {a} here, {b} there")
+        if self.config and other.config:
+            mine, theirs = dict(self.config), dict(other.config)
+            for name in sorted(set(mine) & set(theirs)):
+                if mine[name] != theirs[name]:
+                    out.append(f"config {name}: {mine[name]} here, {theirs[name]} there")
         return out

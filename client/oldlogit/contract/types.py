@@ -531,6 +531,9 @@ class Info(_Model):
     buffers: dict[str, str] = Field(default_factory=dict)
     buffer_convention: str = ""
     transformers_version: str = ""
+    # Model config fields that decide the bits beyond weights and buffers (rms_norm_eps,
+    # soft-caps, routing top-k, …): name → JSON value (``contract.numerics.CONFIG_FIELDS``).
+    numerics_config: dict[str, str] = Field(default_factory=dict)
     # The tensor-parallel definition's chunk count (0: off; docs/exactness.md, "Tensor
     # parallelism"): part of the numerics a trainer must match.
     tp_chunks: int = 0
@@ -574,4 +577,5 @@ class Info(_Model):
             buffers=tuple(sorted(self.buffers.items())),
             transformers_version=self.transformers_version,
             tp_chunks=self.tp_chunks,
+            config=tuple(sorted(self.numerics_config.items())),
         )

@@ -49,7 +49,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from oldlogit.contract.numerics import DEFAULT_TILE_ROWS, NumericsMismatch, NumericsSpec
+from oldlogit.contract.numerics import (
+    DEFAULT_TILE_ROWS,
+    NumericsMismatch,
+    NumericsSpec,
+    config_fields,
+)
 
 from . import attention, routing, tensor_parallel
 from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_for
@@ -513,6 +518,7 @@ def local_spec(
         buffers=buffer_digests(buffers),
         transformers_version=transformers_version(),
         tp_chunks=tp_chunks,
+        config=config_fields(config),
     )
 
 

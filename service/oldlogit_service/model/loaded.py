@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from oldlogit.contract.layout import WeightLayout
+from oldlogit.contract.numerics import config_fields
 from oldlogit.contract.types import MoeInfo
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
 from oldlogit.parity.numerics import transformers_version
@@ -163,6 +164,7 @@ class LoadedModel:
             buffers=buffer_digests(reference_buffers(self.module)),
             transformers_version=transformers_version(),
             tp_chunks=self.tp_chunks,
+            config=config_fields(getattr(self.module, "config", None)),
         )
 
     def moe_info(self) -> MoeInfo | None:

@@ -171,3 +171,35 @@ def test_transformers_own_tensor_parallelism_is_refused_on_the_oldest_transforme
         for message in said:
             assert "transformers' own tensor parallelism" in message, message
             assert "parallelize_module" in message, message
+
+
+def test_the_config_fields_like_compares_read_the_same_on_both_releases(tmp_path: Path) -> None:
+    """``like=`` compares the config fields of ``CONFIG_FIELDS`` (``/v1/info``
+    ``numerics_config``): a trainer on the oldest release must read every family's config as
+    the service on the newest does, or it would be refused for nothing."""
+    if not OLD_PYTHON.exists():
+        pytest.skip(".venv-verl is missing: run scripts/trainer_venv.sh (CI does)")
+    from oldlogit.contract.numerics import config_fields
+    from tests.architectures import ARCHS, config
+
+    script = (
+        "import json, sys\n"
+        "from oldlogit.contract.numerics import config_fields\n"
+        "from tests.architectures import ARCHS, config\n"
+        "json.dump({a: dict(config_fields(config(a))) for a in ARCHS}, open(sys.argv[1], 'w'))\n"
+    )
+    out = tmp_path / "fields.json"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'client'}", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [str(OLD_PYTHON), "-c", script, str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    old = json.loads(out.read_text())
+    for arch in ARCHS:
+        here = dict(config_fields(config(arch)))
+        assert here and old[arch] == here, (arch, old[arch], here)

@@ -117,6 +117,34 @@ def test_a_config_that_computes_another_function_is_refused_by_like(
                 pass
 
 
+def test_a_trainer_whose_attention_sees_other_keys_is_refused_by_like(
+    bf16: Served, model_dir: Path, transport: str
+) -> None:
+    """/v1/info carries the window each layer's attention computed with at start-up, over both
+    transports; a trainer whose layer computes with another window (set on the module, as a
+    config edit or another transformers release would) is refused by ``like=`` once a sequence
+    is longer than the narrower window, and scores the service's bits below that."""
+    from oldlogit import Sequence
+    from oldlogit.parity import token_logprobs
+
+    with Client(bf16.url(transport)) as c:
+        info = c.info()
+        assert info.attention_windows == {0: 0, 1: 0}  # this Qwen2 config: no window
+        spec = info.numerics_spec()
+        model = _model(bf16, model_dir, torch.bfloat16)
+        model.model.layers[1].self_attn.sliding_window = 4
+        ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(5))
+        with trainer_numerics(model, like=spec):
+            short = token_logprobs(model, ids[:, :4])[0]
+            with pytest.raises(NumericsMismatch, match=r"layer 1's attention .* window of 4"):
+                token_logprobs(model, ids)
+        (served,) = c.logprobs_batch(
+            [Sequence(token_ids=ids[0, :4].tolist(), policy_version=VERSION)]
+        )
+        # position 0 has no logprob (NaN from the service, 0 from token_logprobs)
+        assert torch.equal(short[1:].float(), torch.from_numpy(served.logprobs[1:]))
+
+
 def test_the_heads_dtype_is_named(bf16: Served, model_dir: Path, transport: str) -> None:
     model = _model(bf16, model_dir, torch.bfloat16)
     with Client(bf16.url(transport)) as c:

@@ -26,7 +26,12 @@ from oldlogit.parity import (
     token_logprobs,
     trainer_numerics,
 )
-from oldlogit.parity.attention import ATTENTION_NAME, InvariantNumericsError, plan_segments
+from oldlogit.parity.attention import (
+    ATTENTION_NAME,
+    InvariantNumericsError,
+    plan_segments,
+    recording_windows,
+)
 from oldlogit.parity.ops import TileMode
 
 VOCAB = 300
@@ -380,6 +385,43 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
         patch.spec.mismatches(NumericsSpec(**{**patch.spec.as_dict(), "torch_version": ""})) == []
     )
     assert f"torch={torch.__version__}" in patch.spec.key and "rev=2" in patch.spec.key
+
+
+def test_like_holds_each_layers_sliding_window_where_it_would_change_the_bits():
+    """The service records the window each layer's attention computes with (``/v1/info``
+    ``attention_windows``); under ``like=`` a trainer whose layer would see other keys is
+    refused naming the layer, and only then: a window at least as long as the forward's
+    longest sequence is the same as none."""
+    from tests.architectures import WINDOW, hf_model
+
+    service = hf_model("mistral", seed=3)  # a window of WINDOW tokens in every layer
+    ids = torch.randint(3, 150, (2, 20))
+    with trainer_numerics(service) as patch, recording_windows() as seen:
+        want = token_logprobs(service, ids)
+        spec = NumericsSpec(**{**patch.spec.as_dict(), "windows": tuple(sorted(seen.items()))})
+    assert spec.windows == ((0, WINDOW), (1, WINDOW))
+    trainer = hf_model("mistral", seed=3)
+    with trainer_numerics(trainer, like=spec):
+        assert torch.equal(token_logprobs(trainer, ids), want)  # the same window: bitwise
+    trainer.config.sliding_window = None  # a trainer config without the window
+    short = ids[:, :WINDOW]
+    with trainer_numerics(service):
+        want_short = token_logprobs(service, short)
+    with trainer_numerics(trainer, like=spec):
+        # No key is out of the service's window in a sequence of WINDOW tokens: same bits.
+        assert torch.equal(token_logprobs(trainer, short), want_short)
+        with pytest.raises(NumericsMismatch) as err:
+            token_logprobs(trainer, ids)
+    said = str(err.value)
+    assert "layer 0's attention" in said and "no sliding window here" in said, said
+    assert f"a sliding window of {WINDOW} tokens there" in said and "20 tokens" in said, said
+    # A longer window than the service's is refused the same way, once it is narrower than a
+    # sequence; without ``like=`` the trainer runs its own config.
+    trainer.config.sliding_window = WINDOW + 4
+    with trainer_numerics(trainer, like=spec), pytest.raises(NumericsMismatch, match="of 10"):
+        token_logprobs(trainer, ids)
+    with trainer_numerics(trainer):
+        assert not torch.equal(token_logprobs(trainer, ids), want)
 
 
 def test_segment_plans():

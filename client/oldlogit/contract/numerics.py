@@ -54,8 +54,9 @@ BUFFER_CONVENTION = "config"
 # Model config fields that decide a forward's bits beyond its weights and buffers, as scalars
 # every supported transformers release writes the same way (a trainer whose config says another
 # ``rms_norm_eps`` or soft-cap computes another function). Rotary settings are covered by the
-# buffers they build; sliding windows and layer types are left out, as releases spell their
-# defaults differently.
+# buffers they build. Sliding windows and layer types are left out, as releases spell their
+# defaults differently: the windows each layer computes with are compared instead
+# (``NumericsSpec.windows``).
 CONFIG_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -155,6 +156,11 @@ class NumericsSpec:
     transformers_version: str = ""
     tp_chunks: int = 0
     config: tuple[tuple[str, str], ...] = ()  # ``config_fields`` of the model
+    # (layer index, the sliding window its attention computes with; 0: none), as the service's
+    # model ran them (recorded at its start-up; empty: unknown). Not compared up front: a
+    # trainer's attention calls are held to them wherever the two would differ for a forward's
+    # lengths (``oldlogit.parity.attention.expecting_windows``).
+    windows: tuple[tuple[int, int], ...] = ()
 
     @property
     def key(self) -> str:

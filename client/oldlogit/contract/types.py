@@ -534,6 +534,10 @@ class Info(_Model):
     # Model config fields that decide the bits beyond weights and buffers (rms_norm_eps,
     # soft-caps, routing top-k, …): name → JSON value (``contract.numerics.CONFIG_FIELDS``).
     numerics_config: dict[str, str] = Field(default_factory=dict)
+    # Layer index → the sliding window its attention computes with (0: none), as the model ran
+    # at start-up (empty: unknown, e.g. tensor-parallel ranks): a trainer under
+    # ``trainer_numerics(like=...)`` whose attention would see other keys is refused.
+    attention_windows: dict[int, int] = Field(default_factory=dict)
     # The tensor-parallel definition's chunk count (0: off; docs/exactness.md, "Tensor
     # parallelism"): part of the numerics a trainer must match.
     tp_chunks: int = 0
@@ -578,4 +582,5 @@ class Info(_Model):
             transformers_version=self.transformers_version,
             tp_chunks=self.tp_chunks,
             config=tuple(sorted(self.numerics_config.items())),
+            windows=tuple(sorted(self.attention_windows.items())),
         )

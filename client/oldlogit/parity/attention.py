@@ -28,15 +28,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from oldlogit.contract.numerics import NumericsMismatch
+
 from .pointwise import seeded_randn
 
 __all__ = [
     "ATTENTION_NAME",
     "InvariantNumericsError",
     "Segments",
+    "expecting_windows",
     "plan_for",
     "plan_segments",
     "planned",
+    "recording_windows",
     "register",
 ]
 
@@ -140,6 +144,11 @@ class Segments:
         default_factory=dict, compare=False, repr=False
     )
     _bounds_checked: set[int] = field(default_factory=set, compare=False, repr=False)
+
+    @property
+    def longest(self) -> int:
+        """Tokens in the longest sequence (0: every token is padding)."""
+        return max((e - s for _, s, e in self.rows), default=0)
 
     def check_bounds(self, name: str, cu_seq_lens: Tensor) -> None:
         """A packed forward's ``cu_seq_lens_q``/``_k`` (flash-attention varlen: sequence i is
@@ -338,6 +347,78 @@ def plan_for(
     return plan_segments(batch, length, attention_mask, position_ids)
 
 
+@dataclass
+class _WindowRule:
+    """What the attention calls of a forward do with their sliding windows: record each
+    layer's (``seen``), and hold each to the other side's (``expected``); 0 is no window."""
+
+    seen: dict[int, int] | None = None
+    expected: dict[int, int] | None = None
+
+
+_window_rule: contextvars.ContextVar[_WindowRule | None] = contextvars.ContextVar(
+    "oldlogit_window_rule", default=None
+)
+
+
+@contextmanager
+def recording_windows() -> Iterator[dict[int, int]]:
+    """Layer index → the sliding window its attention computed with (0: none), for every
+    invariant attention call in this context (the service records its model's at start-up and
+    reports them in ``/v1/info``)."""
+    seen: dict[int, int] = {}
+    token = _window_rule.set(_WindowRule(seen=seen))
+    try:
+        yield seen
+    finally:
+        _window_rule.reset(token)
+
+
+@contextmanager
+def expecting_windows(windows: dict[int, int]) -> Iterator[None]:
+    """Each attention call in this context must compute with the window ``windows`` gives its
+    layer (0: none) wherever the two would differ: a window at least as long as the longest
+    sequence of the forward leaves every key in sight, so it is the same as none. Otherwise
+    ``NumericsMismatch`` names the layer (``trainer_numerics(like=...)`` with the service's
+    windows)."""
+    token = _window_rule.set(_WindowRule(expected=windows))
+    try:
+        yield
+    finally:
+        _window_rule.reset(token)
+
+
+def _check_window(module: nn.Module, window: int | None, segments: Segments) -> None:
+    rule = _window_rule.get()
+    layer = getattr(module, "layer_idx", None)
+    if rule is None or not isinstance(layer, int):
+        return
+    if rule.seen is not None:
+        rule.seen[layer] = window or 0
+    there = rule.expected.get(layer) if rule.expected is not None else None
+    if there is None:
+        return
+    longest = segments.longest
+
+    def effective(w: int) -> int:  # the same keys in sight as no window at all: 0
+        return w if 0 < w < longest else 0
+
+    here = window or 0
+    if effective(here) != effective(there):
+
+        def said(w: int) -> str:
+            return f"a sliding window of {w} tokens" if w else "no sliding window"
+
+        raise NumericsMismatch(
+            f"the trainer's numerics differ from the service's: layer {layer}'s attention "
+            f"({type(module).__name__}) computes with {said(here)} here, {said(there)} there, "
+            f"and this forward's longest sequence has {longest} tokens, so the keys in sight "
+            "differ. The window comes from the model config (sliding_window, "
+            "use_sliding_window, max_window_layers, layer_types) and the modeling code of the "
+            "transformers release: load the trainer's model with the config the service serves"
+        )
+
+
 def _segment_attention(
     q: Tensor,
     k: Tensor,
@@ -423,6 +504,7 @@ def invariant_attention(
         )
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     window = kwargs.get("sliding_window")
+    _check_window(module, int(window) if window is not None else None, segments)
     softcap = kwargs.get("softcap")
     p = float(dropout) if module.training else 0.0
     params = {

@@ -57,7 +57,13 @@ from oldlogit.contract.numerics import (
 )
 
 from . import attention, routing, tensor_parallel
-from .attention import ATTENTION_NAME, SEGMENTS_KWARG, InvariantNumericsError, plan_for
+from .attention import (
+    ATTENTION_NAME,
+    SEGMENTS_KWARG,
+    InvariantNumericsError,
+    expecting_windows,
+    plan_for,
+)
 from .ops import ActiveDropout, RandomForward, TileMode, UncoveredMatmul, stable_topk
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
 from .skeleton import buffer_digests, build_skeleton, reference_buffers
@@ -762,10 +768,14 @@ def _invariant_call(
     patch.wrap_checkpointing()
     # Inside, the model computes as the service's model at the compute dtype: autocast's
     # per-op casts (float32 softmax, norms) would make it another function.
+    # With the service's numerics (``like``): each layer's sliding window must be the one the
+    # service's model computes with, wherever the two would differ for this forward's lengths.
+    windows = dict(patch.like.windows) if patch.like is not None and patch.like.windows else None
     with (
         torch.autocast(patch.device_type, enabled=False),
         patch.cast_parameters(patch.model) if compute.cast_params else nullcontext(),
         _tile_mode(patch, head, patch.lm_head_fp32 if fp32 is None else fp32),
+        expecting_windows(windows) if windows is not None else nullcontext(),
     ):
         return original(**kwargs)
 

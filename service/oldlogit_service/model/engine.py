@@ -579,7 +579,8 @@ def self_check(
     seed: int = 0,
 ) -> int:
     """Score random sequences packed together and each alone; raise ``NumericsCheckFailed``
-    unless every logprob is bitwise equal. Returns the number of logprobs compared.
+    unless every logprob is bitwise equal. Returns the number of logprobs compared. Records the
+    sliding window each attention layer computed with in ``engine.model.windows``.
 
     The lengths span one, two and three tiles and odd remainders, so both a padded last tile
     and a row's place in its tile are exercised.
@@ -591,12 +592,15 @@ def self_check(
         n = max(2, min(int(n), limit))
         ids = torch.randint(0, engine.model.vocab_size, (n,), generator=gen, dtype=torch.int64)
         jobs.append(Job(ids, torch.arange(1, n, dtype=torch.int64)))
-    from oldlogit.parity.attention import InvariantNumericsError
+    from oldlogit.parity.attention import InvariantNumericsError, recording_windows
 
     try:
-        packed = engine.run(weights, jobs)
+        with recording_windows() as windows:
+            packed = engine.run(weights, jobs)
     except InvariantNumericsError as exc:  # e.g. a matmul outside the tiles (strict mode)
         raise NumericsCheckFailed(f"{engine.model.architecture}: {exc}") from exc
+    if windows:  # the sliding window each layer computed with (/v1/info; like= holds a trainer)
+        engine.model.windows = tuple(sorted(windows.items()))
     compared = 0
     for job, together in zip(jobs, packed, strict=True):
         (alone,) = engine.run(weights, [job])

@@ -144,6 +144,9 @@ class LoadedModel:
     profile: Profile = "hf"
     tile_rows: int | None = None
     tp_chunks: int = 0  # the tensor-parallel definition's chunk count (0: off)
+    # (layer index, sliding window; 0: none) each attention layer computed with in the start-up
+    # self-check (``oldlogit.parity.attention.recording_windows``); empty until then.
+    windows: tuple[tuple[int, int], ...] = ()
 
     @property
     def dtype_name(self) -> str:
@@ -165,6 +168,7 @@ class LoadedModel:
             transformers_version=transformers_version(),
             tp_chunks=self.tp_chunks,
             config=config_fields(getattr(self.module, "config", None)),
+            windows=self.windows,
         )
 
     def moe_info(self) -> MoeInfo | None:

@@ -325,6 +325,30 @@ def test_generation_runs_the_models_own_forward_under_the_patch():
     assert torch.equal(plain, patched)
 
 
+def test_a_scoring_call_with_an_empty_cache_is_invariant_and_fills_the_cache():
+    """A trainer that passes a fresh ``DynamicCache`` to a scoring call gets the invariant
+    forward (it ran the model's own forward before: other bits, silently), and the cache holds
+    the sequence afterwards, so a decode step can follow; generation's own prefill, which
+    passes an empty cache too, still runs the model's own forward (the test above)."""
+    from transformers import DynamicCache
+
+    from tests.architectures import WINDOW, hf_model
+
+    for model in (_model("qwen2", torch.float32, seed=11), hf_model("mistral", seed=4)):
+        ids = torch.randint(3, 150, (2, 3 * WINDOW))
+        with torch.no_grad(), trainer_numerics(model):
+            want = model(input_ids=ids).logits
+            cache = DynamicCache(config=model.config)
+            with recording_windows() as invariant_layers:  # filled by the invariant attention
+                got = model(input_ids=ids, past_key_values=cache).logits
+            assert torch.equal(got, want) and len(invariant_layers) == 2
+            assert cache.get_seq_length() == ids.shape[1]
+            with recording_windows() as invariant_layers:
+                step = model(input_ids=ids[:, -1:], past_key_values=cache).logits  # decoding
+            assert not invariant_layers  # the model's own forward
+        assert step.shape[:2] == (2, 1) and cache.get_seq_length() == ids.shape[1] + 1
+
+
 def test_the_model_is_restored_on_exit():
     model = _model("qwen2", torch.float32, seed=8)
     before_impl = model.config._attn_implementation

@@ -38,10 +38,13 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -734,9 +737,12 @@ def _invariant_call(
     if overlap:
         raise TypeError(f"got multiple values for {sorted(overlap)}")
     kwargs = {**kwargs, **bound}
-    if kwargs.get("past_key_values") is not None:
+    cache = kwargs.get("past_key_values")
+    if cache is not None and (not _empty_cache(cache) or _generating()):
         # Generation (a KV cache): sampling is the inference engine's business, not scoring;
-        # it runs the model's own forward so a patched trainer can still generate.
+        # it runs the model's own forward so a patched trainer can still generate. An empty
+        # cache outside transformers' generation code is a scoring call that also fills the
+        # cache: it runs the invariant forward, whose keys and values the cache receives.
         with patch.plain():
             return original(**kwargs)
     ids = kwargs.get("input_ids")
@@ -778,6 +784,33 @@ def _invariant_call(
         expecting_windows(windows) if windows is not None else nullcontext(),
     ):
         return original(**kwargs)
+
+
+def _empty_cache(cache: Any) -> bool:
+    """A transformers ``Cache`` that holds no token yet (anything else counts as filled)."""
+    length = getattr(cache, "get_seq_length", None)
+    return callable(length) and int(length()) == 0
+
+
+@functools.cache
+def _generation_code() -> str:
+    """The directory of transformers' generation code (``generate``, its decoding loops,
+    continuous batching)."""
+    import transformers.generation
+
+    return os.path.dirname(transformers.generation.__file__) + os.sep
+
+
+def _generating() -> bool:
+    """Whether transformers' generation code is on this call's stack (its prefill passes an
+    empty cache, as a scoring call that fills one does)."""
+    root = _generation_code()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(root):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:

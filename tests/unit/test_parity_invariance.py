@@ -349,6 +349,30 @@ def test_a_scoring_call_with_an_empty_cache_is_invariant_and_fills_the_cache():
         assert step.shape[:2] == (2, 1) and cache.get_seq_length() == ids.shape[1] + 1
 
 
+def test_the_decoder_called_on_its_own_computes_as_inside_the_forward():
+    """A chunked loss calls the decoder itself (``model.model(...)``), then the head over its
+    hidden states: under the patch the decoder plans its own batch (it was refused by name:
+    no segment plan reached the attention), bitwise with the whole forward's hidden states in
+    every family, left padding included, and the head's logits equal the forward's where the
+    head is the model's last step; gradients flow."""
+    from tests.architectures import ARCHS, hf_model
+
+    after_head = {"gemma2", "gemma3_text", "granite", "cohere"}  # soft-cap / logit scale
+    for arch in ARCHS:
+        model = hf_model(arch, seed=1).to(torch.bfloat16)
+        ids = torch.randint(3, 150, (2, 20))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        with trainer_numerics(model):
+            whole = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            assert torch.equal(hidden, whole.hidden_states[-1]), arch
+            if arch not in after_head:
+                assert torch.equal(model.get_output_embeddings()(hidden), whole.logits), arch
+            hidden.float().sum().backward()
+        assert all(p.grad is not None for p in model.get_decoder().layers[0].parameters()), arch
+
+
 def test_the_model_is_restored_on_exit():
     model = _model("qwen2", torch.float32, seed=8)
     before_impl = model.config._attn_implementation

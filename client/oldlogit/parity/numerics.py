@@ -642,6 +642,21 @@ def patch_numerics(
         return _invariant_call(patch, original, args, kwargs)
 
     _set_forward(core, _eager(forward))
+    # The decoder called on its own (``model.model(...)``, then the head over its hidden states:
+    # a trainer's chunked loss) plans its batch and computes as inside the model's forward;
+    # inside that forward it receives the plan and runs as it is.
+    get_decoder = getattr(core, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if isinstance(decoder, nn.Module) and decoder is not core:
+        decoder_call = decoder.forward
+
+        @functools.wraps(decoder_call)
+        def decoder_forward(*args: Any, **kwargs: Any) -> Any:
+            if SEGMENTS_KWARG in kwargs:
+                return decoder_call(*args, **kwargs)
+            return _invariant_call(patch, decoder_call, args, kwargs)
+
+        _set_forward(decoder, _eager(decoder_forward))
     # The head called on its own, outside the model's forward — a trainer's chunked loss over
     # the hidden states (``output_hidden_states``, then ``model.lm_head(h)`` chunk by chunk) —
     # computes as it does inside: through the tiles, in the head's dtype. Inside the forward

@@ -125,7 +125,8 @@ def test_identical_sequences_share_one_forward(tiny_loaded_factory, monkeypatch)
         decoder = model.module.get_decoder()
 
         def hook(m: torch.nn.Module, _a: object, kw: dict, calls: list = calls) -> None:
-            if "forward" not in m.__dict__:  # not the head path's stand-in decoder
+            stand_in = getattr(m.__dict__.get("forward"), "__qualname__", "")
+            if not stand_in.endswith("<locals>.answer"):  # not the head path's stand-in decoder
                 calls.append(tuple(kw["input_ids"].shape))
 
         handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)

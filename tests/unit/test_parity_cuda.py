@@ -41,3 +41,26 @@ def test_trainer_batches_on_cuda_change_no_bit(dtype):
             for i, s in enumerate(seqs):
                 row = out[i, : len(s)] if side == "right" else out[i, width - len(s) :]
                 assert torch.equal(row, alone[i]), (side, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_trainer_with_tf32_or_other_reductions_on_scores_the_same_bits(dtype):
+    """TF32 (``allow_tf32``, ``set_float32_matmul_precision("high")``) and cuBLAS's reduction
+    settings change a GEMM's bits: under the numerics the forward runs with torch's defaults,
+    as the service does, and the process's settings are back afterwards."""
+    model = _model("qwen2", dtype, seed=2).cuda()
+    ids = torch.randint(3, 200, (3, 150), device="cuda")
+    with trainer_numerics(model):
+        want = token_logprobs(model, ids)
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        matmul.allow_tf32 = True
+        matmul.allow_bf16_reduced_precision_reduction = False
+        with trainer_numerics(model):
+            got = token_logprobs(model, ids)
+        assert matmul.allow_tf32 and not matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        matmul.allow_tf32 = before[0]
+        matmul.allow_bf16_reduced_precision_reduction = before[1]
+    assert torch.equal(got, want)

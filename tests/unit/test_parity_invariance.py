@@ -373,6 +373,36 @@ def test_the_decoder_called_on_its_own_computes_as_inside_the_forward():
         assert all(p.grad is not None for p in model.get_decoder().layers[0].parameters()), arch
 
 
+def test_a_trainer_with_reduced_precision_float32_matmuls_scores_the_same_bits():
+    """oneDNN's ``fp32_precision = "bf16"`` (and ``set_float32_matmul_precision("medium")``)
+    compute float32 GEMMs in bfloat16 on CPUs that have it: other bits, silently, before.
+    Under the numerics the forward runs with torch's defaults, as the service does, and the
+    process's own settings are back afterwards. (CUDA's TF32: test_parity_cuda.py.)"""
+    from oldlogit.parity.tiles import full_precision_matmuls
+
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+    if mkldnn is None or not hasattr(mkldnn, "fp32_precision"):
+        pytest.skip("this torch has no per-backend matmul precision")
+    from tests.architectures import hf_model
+
+    model = hf_model("qwen2", seed=1)  # hidden 32: oneDNN takes these GEMMs (measured)
+    ids = torch.randint(3, 150, (3, 150))
+    with trainer_numerics(model):
+        want = token_logprobs(model, ids)
+    before = mkldnn.fp32_precision
+    try:
+        mkldnn.fp32_precision = "bf16"
+        with full_precision_matmuls():
+            assert mkldnn.fp32_precision == "ieee"
+        assert mkldnn.fp32_precision == "bf16"
+        with trainer_numerics(model):
+            got = token_logprobs(model, ids)
+        assert mkldnn.fp32_precision == "bf16"
+    finally:
+        mkldnn.fp32_precision = before
+    assert torch.equal(got, want)
+
+
 def test_the_model_is_restored_on_exit():
     model = _model("qwen2", torch.float32, seed=8)
     before_impl = model.config._attn_implementation

@@ -378,7 +378,7 @@ def test_a_trainer_with_reduced_precision_float32_matmuls_scores_the_same_bits()
     compute float32 GEMMs in bfloat16 on CPUs that have it: other bits, silently, before.
     Under the numerics the forward runs with torch's defaults, as the service does, and the
     process's own settings are back afterwards. (CUDA's TF32: test_parity_cuda.py.)"""
-    from oldlogit.parity.tiles import full_precision_matmuls
+    from oldlogit.parity.settings import default_kernel_settings
 
     mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
     if mkldnn is None or not hasattr(mkldnn, "fp32_precision"):
@@ -392,7 +392,7 @@ def test_a_trainer_with_reduced_precision_float32_matmuls_scores_the_same_bits()
     before = mkldnn.fp32_precision
     try:
         mkldnn.fp32_precision = "bf16"
-        with full_precision_matmuls():
+        with default_kernel_settings():
             assert mkldnn.fp32_precision == "ieee"
         assert mkldnn.fp32_precision == "bf16"
         with trainer_numerics(model):
@@ -401,6 +401,32 @@ def test_a_trainer_with_reduced_precision_float32_matmuls_scores_the_same_bits()
     finally:
         mkldnn.fp32_precision = before
     assert torch.equal(got, want)
+
+
+def test_a_trainer_with_attention_kernels_switched_off_scores_the_same_bits():
+    """``enable_flash_sdp(False)`` or a surrounding ``sdpa_kernel(SDPBackend.MATH)`` makes
+    torch pick another attention kernel, on CPU too: other bits, silently, before (measured in
+    float32 and bfloat16). Under the numerics the attention runs with torch's default kernels,
+    and the process's choice is back afterwards."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.architectures import hf_model
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = hf_model("llama", seed=1).to(dtype)
+        ids = torch.randint(3, 150, (3, 100))
+        with trainer_numerics(model):
+            want = token_logprobs(model, ids)
+        torch.backends.cuda.enable_flash_sdp(False)
+        try:
+            with trainer_numerics(model):
+                assert torch.equal(token_logprobs(model, ids), want), dtype
+            assert not torch.backends.cuda.flash_sdp_enabled()
+        finally:
+            torch.backends.cuda.enable_flash_sdp(True)
+        with sdpa_kernel(SDPBackend.MATH), trainer_numerics(model):
+            assert torch.equal(token_logprobs(model, ids), want), dtype
+            assert not torch.backends.cuda.flash_sdp_enabled()
 
 
 def test_the_model_is_restored_on_exit():

@@ -68,9 +68,9 @@ from .attention import (
     plan_for,
 )
 from .ops import ActiveDropout, RandomForward, TileMode, UncoveredMatmul, stable_topk
+from .settings import default_kernel_settings
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
 from .skeleton import buffer_digests, build_skeleton, reference_buffers
-from .tiles import full_precision_matmuls
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _tile_mode(patch: NumericsPatch | None, head: nn.Module | None, fp32: bool) 
         with (
             TileMode(tile_rows, strict, head, fp32, tp_chunks, tied),
             attention.thread_count_free(tp_chunks > 0),
-            full_precision_matmuls() if patch is not None else nullcontext(),
+            default_kernel_settings() if patch is not None else nullcontext(),
         ):
             yield
     finally:

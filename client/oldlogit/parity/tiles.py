@@ -32,10 +32,7 @@ over all rows (a reduction over the batch by definition), so no per-tile weight 
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -49,7 +46,6 @@ __all__ = [
     "CHUNK_ROWS",
     "TileStrategy",
     "chunk_verified",
-    "full_precision_matmuls",
     "tile_strategy",
     "tiled_linear",
     "tiled_mm",
@@ -63,56 +59,6 @@ CHUNK_ROWS = 512
 
 _verified: dict[tuple[Any, ...], bool] = {}
 _verify_lock = threading.Lock()
-
-
-@functools.cache
-def _precision_settings() -> list[tuple[Any, str, Any]]:
-    """The process-wide matmul settings that change a GEMM's bits, as (object, attribute, the
-    value the invariant numerics run with): torch's defaults — float32 GEMMs in float32 (no
-    TF32 on CUDA, no bfloat16 on oneDNN), cuBLAS's default reduced-precision reductions for
-    float16 and bfloat16, float32 accumulation for float16."""
-    cuda = torch.backends.cuda.matmul
-    out: list[tuple[Any, str, Any]] = [
-        (cuda, "allow_fp16_reduced_precision_reduction", True),
-        (cuda, "allow_bf16_reduced_precision_reduction", True),
-        (cuda, "allow_fp16_accumulation", False),
-    ]
-    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    if mkldnn is not None and hasattr(mkldnn, "fp32_precision"):
-        out += [(cuda, "fp32_precision", "ieee"), (mkldnn, "fp32_precision", "ieee")]
-    else:  # torch before the per-backend precision settings
-        out.append((cuda, "allow_tf32", False))
-    return out
-
-
-def _read(obj: Any, attr: str) -> Any:
-    value = getattr(obj, attr)
-    if attr.endswith("reduced_precision_reduction"):  # the split-k half is set together
-        return (bool(value), bool(getattr(obj, attr + "_split_k", value)))
-    return value
-
-
-@contextmanager
-def full_precision_matmuls() -> Iterator[None]:
-    """The matmul settings of the invariant numerics for the duration, whatever the process set
-    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``, oneDNN's
-    ``fp32_precision = "bf16"``: each gives other bits from the same GEMM), then the process's
-    own again. The trainer's forward and the service's run under the same settings."""
-    changed: list[tuple[Any, str, Any]] = []
-    try:
-        for obj, attr, want in _precision_settings():
-            try:
-                was = _read(obj, attr)
-            except (AttributeError, RuntimeError):  # not in this torch build
-                continue
-            wanted = (want, True) if attr.endswith("reduced_precision_reduction") else want
-            if was != wanted:
-                setattr(obj, attr, wanted)
-                changed.append((obj, attr, was))
-        yield
-    finally:
-        for obj, attr, was in reversed(changed):
-            setattr(obj, attr, was)
 
 
 def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_rows: int) -> bool:

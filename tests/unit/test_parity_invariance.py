@@ -474,7 +474,8 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
     # Config fields beyond weights and buffers: compared where both sides report them.
     here = local_spec(model, profile="invariant", tile_rows=16, lm_head_fp32=True)
     assert ("rms_norm_eps", json.dumps(model.config.rms_norm_eps)) in here.config
-    other_eps = NumericsSpec(**{**here.as_dict(), "config": (("rms_norm_eps", "0.5"),)})
+    changed = tuple((k, "0.5" if k == "rms_norm_eps" else v) for k, v in here.config)
+    other_eps = NumericsSpec(**{**here.as_dict(), "config": changed})
     assert here.mismatches(other_eps) == [
         f"config rms_norm_eps: {json.dumps(model.config.rms_norm_eps)} here, 0.5 there"
     ]
@@ -526,6 +527,26 @@ def test_like_holds_each_layers_sliding_window_where_it_would_change_the_bits():
         token_logprobs(trainer, ids)
     with trainer_numerics(trainer):
         assert not torch.equal(token_logprobs(trainer, ids), want)
+
+
+def test_like_refuses_a_config_field_switched_off_on_one_side():
+    """Gemma 2 recipes switch the attention soft-cap off (``attn_logit_softcapping=None``) to
+    reach fused attention kernels: the same weights then compute another function. The field
+    is unset on that side only; ``like=`` names it (it compared shared fields only before)."""
+    from tests.architectures import config, hf_model
+
+    service = hf_model("gemma2", seed=2)
+    spec = local_spec(service, profile="invariant", tile_rows=64, lm_head_fp32=False)
+    assert ("attn_logit_softcapping", "4.0") in spec.config
+    cfg = config("gemma2")
+    cfg.attn_logit_softcapping = None
+    trainer = AutoModelForCausalLM.from_config(cfg)
+    trainer.load_state_dict(service.state_dict())
+    with pytest.raises(NumericsMismatch, match="config attn_logit_softcapping: unset here, 4.0"):
+        with trainer_numerics(trainer, like=spec):
+            pass
+    with trainer_numerics(service, like=spec):
+        pass
 
 
 def test_segment_plans():

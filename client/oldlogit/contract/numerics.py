@@ -208,8 +208,12 @@ class NumericsSpec:
                 if a != b:
                     out.append(f"buffer {name}: {a} here, {b} there")
         if self.config and other.config:
+            # A field one side sets and the other leaves unset (a soft-cap switched off with
+            # None) is a difference too; every supported release sets the same fields
+            # (tests/integration/test_parity_oldest_transformers.py).
             mine, theirs = dict(self.config), dict(other.config)
-            for name in sorted(set(mine) & set(theirs)):
-                if mine[name] != theirs[name]:
-                    out.append(f"config {name}: {mine[name]} here, {theirs[name]} there")
+            for name in sorted(set(mine) | set(theirs)):
+                a, b = mine.get(name, "unset"), theirs.get(name, "unset")
+                if a != b:
+                    out.append(f"config {name}: {a} here, {b} there")
         return out

@@ -542,7 +542,7 @@ def test_like_refuses_a_config_field_switched_off_on_one_side():
     cfg.attn_logit_softcapping = None
     trainer = AutoModelForCausalLM.from_config(cfg)
     trainer.load_state_dict(service.state_dict())
-    with pytest.raises(NumericsMismatch, match="config attn_logit_softcapping: unset here, 4.0"):
+    with pytest.raises(NumericsMismatch, match=r"config attn_logit_softcapping: unset here, 4\.0"):
         with trainer_numerics(trainer, like=spec):
             pass
     with trainer_numerics(service, like=spec):

@@ -549,6 +549,49 @@ def test_like_refuses_a_config_field_switched_off_on_one_side():
         pass
 
 
+def test_packed_sequences_under_a_block_diagonal_4d_mask_score_as_alone():
+    """Packers that hand the model a [batch, 1, seq, seq] block-diagonal causal mask (bool, or
+    additive float) with position ids restarting per sequence: each sequence's logits bitwise
+    as when it runs alone, in every family (a 4-D mask was refused before). Without position
+    ids, or with a mask that is not block-diagonal and causal, refused by name."""
+    from tests.architectures import ARCHS, hf_model
+
+    lengths = (12, 8, 9)
+    total = sum(lengths)
+    bool_mask = torch.zeros(total, total, dtype=torch.bool)
+    at = 0
+    for n in lengths:
+        bool_mask[at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        at += n
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    for arch in ARCHS:
+        model = hf_model(arch, seed=5).to(torch.bfloat16)
+        seqs = [torch.randint(3, 150, (n,)) for n in lengths]
+        with torch.no_grad(), trainer_numerics(model):
+            alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])
+            for mask in (
+                bool_mask,
+                torch.where(bool_mask, 0.0, float("-inf")).to(torch.bfloat16),
+            ):
+                out = model(
+                    input_ids=torch.cat(seqs)[None],
+                    attention_mask=mask[None, None],
+                    position_ids=positions,
+                ).logits[0]
+                assert torch.equal(out, alone), (arch, mask.dtype)
+    ids = torch.cat(seqs)[None]
+    with trainer_numerics(model):
+        with pytest.raises(InvariantNumericsError, match="without position_ids"):
+            model(input_ids=ids, attention_mask=bool_mask[None, None])
+        ahead = bool_mask.clone()
+        ahead[3, 5] = True  # a token that sees a later one
+        with pytest.raises(InvariantNumericsError, match="not block-diagonal and causal"):
+            model(input_ids=ids, attention_mask=ahead[None, None], position_ids=positions)
+        bias = torch.where(bool_mask, 0.5, float("-inf"))
+        with pytest.raises(InvariantNumericsError, match="a bias"):
+            model(input_ids=ids, attention_mask=bias[None, None], position_ids=positions)
+
+
 def test_segment_plans():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
     segs, pos = plan_segments(3, 5, mask, None)

@@ -214,6 +214,58 @@ class Segments:
         return self._groups[key]
 
 
+def block_mask_ids(mask: Tensor, batch: int, length: int) -> Tensor:
+    """A [B, 1, T, T] (or [B, T, T]) attention mask of packed sequences — bool (True: may
+    attend) or additive float (0: may attend, -inf or the dtype's minimum: may not) — as [B, T]
+    sequence ids (1, 1, 2, 2, 2 …; 0: a query that attends to nothing, padding). Each query
+    must see exactly its own sequence's keys up to itself (block-diagonal and causal); any other
+    mask (a bias, a window, a prefix seeing ahead) is refused by name."""
+    shape = list(mask.shape)
+    if mask.dim() == 4:
+        if mask.shape[1] != 1:
+            raise InvariantNumericsError(
+                f"a 4-D attention_mask must have one head ([batch, 1, seq, seq]), got {shape}"
+            )
+        mask = mask[:, 0]
+    if tuple(mask.shape) != (batch, length, length) and tuple(mask.shape) != (1, length, length):
+        raise InvariantNumericsError(
+            f"a 4-D attention_mask must be [batch, 1, seq, seq] = {[batch, 1, length, length]}, "
+            f"got {shape}"
+        )
+    m = mask.detach().to("cpu")
+    if m.dtype == torch.bool:
+        allowed = m
+    elif m.is_floating_point():
+        masked = m <= torch.finfo(m.dtype).min / 2
+        if not bool(((m == 0) | masked).all()):
+            raise InvariantNumericsError(
+                "a 4-D additive attention_mask holds values other than 0 and -inf (a bias?): "
+                "only a block-diagonal causal mask of packed sequences can be scored"
+            )
+        allowed = ~masked
+    else:
+        raise InvariantNumericsError(
+            f"a 4-D attention_mask must be bool or additive float, got {m.dtype}"
+        )
+    allowed = allowed.expand(batch, length, length)
+    i = torch.arange(length)
+    real = allowed.any(dim=-1)  # [B, T]: a query that sees something
+    first = allowed.to(torch.int8).argmax(dim=-1)  # [B, T]: the first key it sees
+    block = (i[None, None, :] >= first[..., None]) & (i[None, None, :] <= i[None, :, None])
+    # Within a sequence every token sees from the sequence's first token: a token whose first
+    # key is not itself must share its predecessor's.
+    prev_first = torch.cat([torch.full((batch, 1), -1), first[:, :-1]], dim=1)
+    prev_real = torch.cat([torch.zeros(batch, 1, dtype=torch.bool), real[:, :-1]], dim=1)
+    starts = real & (first == i)
+    joined = real & ~starts & prev_real & (prev_first == first)
+    if not torch.equal(allowed, block & real[..., None]) or not torch.equal(real, starts | joined):
+        raise InvariantNumericsError(
+            "the 4-D attention_mask is not block-diagonal and causal (each token seeing its "
+            "own packed sequence up to itself): only packed sequences can be scored"
+        )
+    return torch.where(real, starts.to(torch.int64).cumsum(dim=1), 0)
+
+
 def plan_segments(
     batch: int,
     length: int,
@@ -234,6 +286,13 @@ def plan_segments(
         if attention_mask is not None
         else (position_ids.device if position_ids is not None else torch.device("cpu"))
     )
+    if attention_mask is not None and attention_mask.dim() in (3, 4):
+        attention_mask = block_mask_ids(attention_mask, batch, length)
+        if position_ids is None:
+            raise InvariantNumericsError(
+                "a [batch, 1, seq, seq] attention_mask without position_ids: pass position_ids "
+                "restarting at 0 per packed sequence (the service scores each from position 0)"
+            )
     if attention_mask is not None:
         if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
             raise InvariantNumericsError(

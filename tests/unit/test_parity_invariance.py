@@ -405,9 +405,9 @@ def test_a_trainer_with_reduced_precision_float32_matmuls_scores_the_same_bits()
 
 def test_a_trainer_with_attention_kernels_switched_off_scores_the_same_bits():
     """``enable_flash_sdp(False)`` or a surrounding ``sdpa_kernel(SDPBackend.MATH)`` makes
-    torch pick another attention kernel, on CPU too: other bits, silently, before (measured in
-    float32 and bfloat16). Under the numerics the attention runs with torch's default kernels,
-    and the process's choice is back afterwards."""
+    torch pick another attention kernel, on CPU too, and oneDNN switched off another bfloat16
+    GEMM: other bits, silently, before (measured). Under the numerics the forward runs with
+    torch's default kernels, and the process's choice is back afterwards."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tests.architectures import hf_model
@@ -427,6 +427,10 @@ def test_a_trainer_with_attention_kernels_switched_off_scores_the_same_bits():
         with sdpa_kernel(SDPBackend.MATH), trainer_numerics(model):
             assert torch.equal(token_logprobs(model, ids), want), dtype
             assert not torch.backends.cuda.flash_sdp_enabled()
+        with torch.backends.mkldnn.flags(enabled=False), trainer_numerics(model):
+            # oneDNN off: bfloat16 GEMMs take another kernel (other bits, measured)
+            assert torch.equal(token_logprobs(model, ids), want), dtype
+            assert not torch.backends.mkldnn.enabled
 
 
 def test_the_model_is_restored_on_exit():

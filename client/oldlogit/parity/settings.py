@@ -1,14 +1,16 @@
 """The process-wide kernel settings that change a forward's bits, pinned for the forward.
 
 A trainer's process may switch on reduced-precision float32 GEMMs (CUDA's TF32 through
-``allow_tf32`` or ``torch.set_float32_matmul_precision("high")``, oneDNN's
-``fp32_precision = "bf16"`` on CPUs with bfloat16 units), change cuBLAS's reductions, or switch
-attention kernels off (``torch.backends.cuda.enable_flash_sdp(False)``, a surrounding
+``allow_tf32`` or ``torch.set_float32_matmul_precision("high")``, oneDNN's ``fp32_precision =
+"bf16"`` on CPUs with bfloat16 units), switch oneDNN off
+(``torch.backends.mkldnn.flags(enabled=False)``: bfloat16 GEMMs take another kernel), change
+cuBLAS's reductions, or switch attention kernels off
+(``torch.backends.cuda.enable_flash_sdp(False)``, a surrounding
 ``torch.nn.attention.sdpa_kernel``; they choose the CPU kernel too). Each makes the same GEMM or
-attention call give other bits (measured on this CPU: oneDNN's bf16 setting and flash attention
-switched off both did, silently). ``default_kernel_settings`` runs the invariant forward with
-torch's defaults, on the trainer's side and the service's alike, and gives the process its own
-settings back afterwards.
+attention call give other bits (measured on this CPU: oneDNN's bf16 setting, oneDNN off and
+flash attention switched off all did, silently). ``default_kernel_settings`` runs the invariant
+forward with torch's defaults, on the trainer's side and the service's alike, and gives the
+process its own settings back afterwards.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def _settings() -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Any], ..
 
         out.append((read, functools.partial(setattr, obj, name), default))
 
+    attribute(torch.backends.mkldnn, "enabled", True)  # off: bf16 GEMMs take another kernel
+    attribute(torch.backends.cudnn, "enabled", True)  # cuDNN's attention kernel needs it
     attribute(matmul, "allow_fp16_reduced_precision_reduction", (True, True))
     attribute(matmul, "allow_bf16_reduced_precision_reduction", (True, True))
     attribute(matmul, "allow_fp16_accumulation", False)

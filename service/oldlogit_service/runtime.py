@@ -484,6 +484,7 @@ class Runtime:
             transformers_version=spec.transformers_version,
             numerics_config=dict(spec.config),
             attention_windows=dict(spec.windows),
+            hardware=spec.hardware,
             tp_chunks=spec.tp_chunks,
             tensor_parallel=self.ranks.degree if self.ranks is not None else 1,
             ranks=self._rank_infos(),

@@ -130,6 +130,9 @@ def test_a_trainer_whose_attention_sees_other_keys_is_refused_by_like(
     with Client(bf16.url(transport)) as c:
         info = c.info()
         assert info.attention_windows == {0: 0, 1: 0}  # this Qwen2 config: no window
+        from oldlogit.parity.numerics import hardware_name
+
+        assert info.hardware == hardware_name("cpu")  # the processor kind, over both transports
         spec = info.numerics_spec()
         model = _model(bf16, model_dir, torch.bfloat16)
         model.model.layers[1].self_attn.sliding_window = 4

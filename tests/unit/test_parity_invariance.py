@@ -596,6 +596,34 @@ def test_packed_sequences_under_a_block_diagonal_4d_mask_score_as_alone():
             model(input_ids=ids, attention_mask=bias[None, None], position_ids=positions)
 
 
+def test_like_refuses_a_trainer_on_another_processor_kind():
+    """ATen's kernels are picked per instruction set: a forward at ``ATEN_CPU_CAPABILITY=avx2``
+    gives other bits than at AVX-512 (measured in float32 and bfloat16), as another GPU
+    architecture does on CUDA. The spec names the processor; ``like=`` refuses another kind by
+    name, and the result-cache key carries it."""
+    import os
+    import subprocess
+    import sys
+
+    from oldlogit.parity.numerics import hardware_name
+
+    model = _model("qwen2", torch.float32, seed=13)
+    here = local_spec(model, profile="invariant", tile_rows=64, lm_head_fp32=False)
+    assert here.hardware == hardware_name("cpu") and here.hardware.startswith("cpu ")
+    assert f"/hw={here.hardware}" in here.key
+    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # the lowest: no vector kernels
+    lower = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    ).stdout.strip()
+    assert lower and f"cpu {lower}" != here.hardware
+    there = NumericsSpec(**{**here.as_dict(), "hardware": f"cpu {lower}"})
+    with pytest.raises(NumericsMismatch, match=rf"hardware: {here.hardware} here, cpu {lower}"):
+        with trainer_numerics(model, like=there):
+            pass
+    assert NumericsSpec(**{**here.as_dict(), "hardware": ""}).mismatches(here) == []
+
+
 def test_segment_plans():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
     segs, pos = plan_segments(3, 5, mask, None)

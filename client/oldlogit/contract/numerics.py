@@ -161,6 +161,10 @@ class NumericsSpec:
     # trainer's attention calls are held to them wherever the two would differ for a forward's
     # lengths (``oldlogit.parity.attention.expecting_windows``).
     windows: tuple[tuple[int, int], ...] = ()
+    # The processor the kernels were picked for ("": unknown, an older service): on CPU the
+    # instruction set ATen's kernels use (AVX2 and AVX-512 give other bits, measured), on CUDA
+    # the GPU's name and compute capability (cuBLAS picks kernels per architecture).
+    hardware: str = ""
 
     @property
     def key(self) -> str:
@@ -175,6 +179,7 @@ class NumericsSpec:
             f"{head}/{self.attention or '-'}/rev={self.revision}/torch={self.torch_version or '-'}"
             f"/tf={self.transformers_version or '-'}/buffers={buffers}"
             + (f"/tp_chunks={self.tp_chunks}" if self.tp_chunks else "")
+            + (f"/hw={self.hardware}" if self.hardware else "")
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -197,6 +202,11 @@ class NumericsSpec:
             )
         if self.torch_version and other.torch_version and self.torch_version != other.torch_version:
             out.append(f"torch: {self.torch_version} here, {other.torch_version} there")
+        if self.hardware and other.hardware and self.hardware != other.hardware:
+            out.append(
+                f"hardware: {self.hardware} here, {other.hardware} there (kernels are picked "
+                "per processor: run the trainer's forward on the service's kind)"
+            )
         cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
         thread_free = self.tp_chunks > 0 and other.tp_chunks > 0
         if cpu and not thread_free and self.threads != other.threads:

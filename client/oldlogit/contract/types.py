@@ -538,6 +538,9 @@ class Info(_Model):
     # at start-up (empty: unknown, e.g. tensor-parallel ranks): a trainer under
     # ``trainer_numerics(like=...)`` whose attention would see other keys is refused.
     attention_windows: dict[int, int] = Field(default_factory=dict)
+    # The processor the kernels were picked for (CPU instruction set; GPU name and compute
+    # capability): a trainer on another kind computes other bits ("": unknown).
+    hardware: str = ""
     # The tensor-parallel definition's chunk count (0: off; docs/exactness.md, "Tensor
     # parallelism"): part of the numerics a trainer must match.
     tp_chunks: int = 0
@@ -583,4 +586,5 @@ class Info(_Model):
             tp_chunks=self.tp_chunks,
             config=tuple(sorted(self.numerics_config.items())),
             windows=tuple(sorted(self.attention_windows.items())),
+            hardware=self.hardware,
         )

@@ -530,7 +530,22 @@ def local_spec(
         transformers_version=transformers_version(),
         tp_chunks=tp_chunks,
         config=config_fields(config),
+        hardware=hardware_name(weight.device if weight.device.type != "meta" else "cpu"),
     )
+
+
+def hardware_name(device: torch.device | str) -> str:
+    """The processor ``device``'s kernels are picked for (``NumericsSpec.hardware``): on CPU the
+    instruction set of ATen's kernels (``ATEN_CPU_CAPABILITY`` lowers it), on CUDA the GPU's
+    name and compute capability."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda {torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    if device.type == "cpu":
+        return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    return device.type
 
 
 def transformers_version() -> str:

@@ -1145,6 +1145,7 @@ class Info(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     NUMERICS_CONFIG_FIELD_NUMBER: _builtins.int
     ATTENTION_WINDOWS_FIELD_NUMBER: _builtins.int
+    HARDWARE_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -1197,6 +1198,11 @@ class Info(_message.Message):
     """
     tensor_parallel: _builtins.int
     """Ranks of this replica (--tensor-parallel; 1 on one device)."""
+    hardware: _builtins.str
+    """The processor the kernels were picked for: on CPU the instruction set ATen's kernels use,
+    on CUDA the GPU's name and compute capability ("": unknown). A trainer on another kind
+    computes other bits; trainer_numerics(like=...) refuses it by name.
+    """
     @_builtins.property
     def limits(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Request limits by name, e.g. "max_batch_tokens"."""
@@ -1289,10 +1295,11 @@ class Info(_message.Message):
         ranks: _abc.Iterable[Global___RankInfo] | None = ...,
         numerics_config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         attention_windows: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+        hardware: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "moe", b"moe", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "attention_windows", b"attention_windows", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_config", b"numerics_config", "numerics_revision", b"numerics_revision", "ranks", b"ranks", "server_version", b"server_version", "tensor_parallel", b"tensor_parallel", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "attention_windows", b"attention_windows", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "hardware", b"hardware", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_config", b"numerics_config", "numerics_revision", b"numerics_revision", "ranks", b"ranks", "server_version", b"server_version", "tensor_parallel", b"tensor_parallel", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015

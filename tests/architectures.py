@@ -166,6 +166,18 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> An
     return model.to(dtype).eval()
 
 
+def attention_windows(arch: str) -> list[list[int]]:
+    """[layer index, sliding window (0: none)] each layer's attention computes with under
+    ``trainer_numerics``, as the service records them at start-up."""
+    from oldlogit.parity import token_logprobs, trainer_numerics
+    from oldlogit.parity.attention import recording_windows
+
+    model = hf_model(arch)
+    with trainer_numerics(model), recording_windows() as seen:
+        token_logprobs(model, torch.arange(3, 13)[None])
+    return [list(x) for x in sorted(seen.items())]
+
+
 def persistent_state(model: Any) -> dict[str, torch.Tensor]:
     """What a trainer publishes: ``model.state_dict()`` as it is (tied entries included)."""
     return {k: v.detach() for k, v in model.state_dict().items()}

@@ -17,6 +17,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,63 +174,13 @@ def test_transformers_own_tensor_parallelism_is_refused_on_the_oldest_transforme
             assert "parallelize_module" in message, message
 
 
-def test_the_config_fields_like_compares_read_the_same_on_both_releases(tmp_path: Path) -> None:
-    """``like=`` compares the config fields of ``CONFIG_FIELDS`` (``/v1/info``
-    ``numerics_config``): a trainer on the oldest release must read every family's config as
-    the service on the newest does, or it would be refused for nothing."""
+def _on_oldest(tmp_path: Path, imports: str, expr: str) -> Any:
+    """``expr`` evaluated in .venv-verl (the oldest transformers of the trainer extra), as
+    JSON."""
     if not OLD_PYTHON.exists():
         pytest.skip(".venv-verl is missing: run scripts/trainer_venv.sh (CI does)")
-    from oldlogit.contract.numerics import config_fields
-    from tests.architectures import ARCHS, config
-
-    script = (
-        "import json, sys\n"
-        "from oldlogit.contract.numerics import config_fields\n"
-        "from tests.architectures import ARCHS, config\n"
-        "json.dump({a: dict(config_fields(config(a))) for a in ARCHS}, open(sys.argv[1], 'w'))\n"
-    )
-    out = tmp_path / "fields.json"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'client'}", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [str(OLD_PYTHON), "-c", script, str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    old = json.loads(out.read_text())
-    for arch in ARCHS:
-        here = dict(config_fields(config(arch)))
-        assert here and old[arch] == here, (arch, old[arch], here)
-
-
-def test_every_layers_sliding_window_is_the_same_on_both_releases(tmp_path: Path) -> None:
-    """``like=`` holds each layer's attention to the window the service's model computed with
-    (``/v1/info`` ``attention_windows``): every family's layers must compute with the same
-    windows on the oldest release as on the newest, or a trainer would be refused for nothing.
-    The families' configs set windows narrower than the sequences, per layer where they can."""
-    if not OLD_PYTHON.exists():
-        pytest.skip(".venv-verl is missing: run scripts/trainer_venv.sh (CI does)")
-    from oldlogit.parity import token_logprobs, trainer_numerics
-    from oldlogit.parity.attention import recording_windows
-    from tests.architectures import ARCHS, hf_model
-
-    script = (
-        "import json, sys, torch\n"
-        "from oldlogit.parity import token_logprobs, trainer_numerics\n"
-        "from oldlogit.parity.attention import recording_windows\n"
-        "from tests.architectures import ARCHS, hf_model\n"
-        "out = {}\n"
-        "for a in ARCHS:\n"
-        "    m = hf_model(a)\n"
-        "    with trainer_numerics(m), recording_windows() as seen:\n"
-        "        token_logprobs(m, torch.arange(3, 13)[None])\n"
-        "    out[a] = sorted(seen.items())\n"
-        "json.dump(out, open(sys.argv[1], 'w'))\n"
-    )
-    out = tmp_path / "windows.json"
+    out = tmp_path / "oldest.json"
+    script = f"import json, sys\n{imports}\njson.dump({expr}, open(sys.argv[1], 'w'))\n"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'client'}", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [str(OLD_PYTHON), "-c", script, str(out)],
@@ -240,13 +191,42 @@ def test_every_layers_sliding_window_is_the_same_on_both_releases(tmp_path: Path
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    old = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_config_fields_like_compares_read_the_same_on_both_releases(tmp_path: Path) -> None:
+    """``like=`` compares the config fields of ``CONFIG_FIELDS`` (``/v1/info``
+    ``numerics_config``): a trainer on the oldest release must read every family's config as
+    the service on the newest does, or it would be refused for nothing."""
+    from oldlogit.contract.numerics import config_fields
+    from tests.architectures import ARCHS, config
+
+    old = _on_oldest(
+        tmp_path,
+        "from oldlogit.contract.numerics import config_fields\n"
+        "from tests.architectures import ARCHS, config",
+        "{a: dict(config_fields(config(a))) for a in ARCHS}",
+    )
+    for arch in ARCHS:
+        here = dict(config_fields(config(arch)))
+        assert here and old[arch] == here, (arch, old[arch], here)
+
+
+def test_every_layers_sliding_window_is_the_same_on_both_releases(tmp_path: Path) -> None:
+    """``like=`` holds each layer's attention to the window the service's model computed with
+    (``/v1/info`` ``attention_windows``): every family's layers must compute with the same
+    windows on the oldest release as on the newest, or a trainer would be refused for nothing.
+    The families' configs set windows narrower than the sequences, per layer where they can."""
+    from tests.architectures import ARCHS, attention_windows
+
+    old = _on_oldest(
+        tmp_path,
+        "from tests.architectures import ARCHS, attention_windows",
+        "{a: attention_windows(a) for a in ARCHS}",
+    )
     windowed = 0
     for arch in ARCHS:
-        model = hf_model(arch)
-        with trainer_numerics(model), recording_windows() as seen:
-            token_logprobs(model, torch.arange(3, 13)[None])
-        here = [list(x) for x in sorted(seen.items())]
+        here = attention_windows(arch)
         assert here and old[arch] == here, (arch, old[arch], here)
         windowed += any(w for _, w in here)
     assert windowed >= 7  # qwen2, qwen3, mistral, gemma2, gemma3_text, phi3, mixtral

@@ -212,18 +212,25 @@ class NumericsSpec:
         if cpu and not thread_free and self.threads != other.threads:
             out.append(f"threads: {self.threads} here, {other.threads} there")
         if self.buffers and other.buffers:
-            mine, theirs = dict(self.buffers), dict(other.buffers)
-            for name in sorted(set(mine) | set(theirs)):
-                a, b = mine.get(name, "absent"), theirs.get(name, "absent")
-                if a != b:
-                    out.append(f"buffer {name}: {a} here, {b} there")
+            out += _map_mismatches("buffer", self.buffers, other.buffers, "absent")
         if self.config and other.config:
             # A field one side sets and the other leaves unset (a soft-cap switched off with
             # None) is a difference too; every supported release sets the same fields
             # (tests/integration/test_parity_oldest_transformers.py).
-            mine, theirs = dict(self.config), dict(other.config)
-            for name in sorted(set(mine) | set(theirs)):
-                a, b = mine.get(name, "unset"), theirs.get(name, "unset")
-                if a != b:
-                    out.append(f"config {name}: {a} here, {b} there")
+            out += _map_mismatches("config", self.config, other.config, "unset")
         return out
+
+
+def _map_mismatches(
+    label: str,
+    mine: tuple[tuple[str, str], ...],
+    theirs: tuple[tuple[str, str], ...],
+    missing: str,
+) -> list[str]:
+    """'label name: value here, value there' for each name either side holds differently."""
+    a, b = dict(mine), dict(theirs)
+    return [
+        f"{label} {name}: {a.get(name, missing)} here, {b.get(name, missing)} there"
+        for name in sorted(set(a) | set(b))
+        if a.get(name, missing) != b.get(name, missing)
+    ]

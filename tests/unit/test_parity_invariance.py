@@ -33,6 +33,7 @@ from oldlogit.parity.attention import (
     recording_windows,
 )
 from oldlogit.parity.ops import TileMode
+from oldlogit.parity.tiles import tiled_linear
 
 VOCAB = 300
 
@@ -273,12 +274,15 @@ def test_every_matmul_is_covered_or_refused():
             model(input_ids=ids)  # allowed, without the guarantee
     finally:
         mlp.forward = original.__get__(mlp)  # type: ignore[method-assign]
-    # ... and a matmul outside the tiles is refused where it runs, whoever wrote it.
-    x = torch.randn(5, 8)
+    # ... and a matmul the tiles cannot compute (two batched activations) is refused where it
+    # runs, whoever wrote it; one against a 2-D operand goes through the tiles row by row.
+    x = torch.randn(2, 5, 8)
     with TileMode(64, True, None, False), pytest.raises(UncoveredMatmul, match="matmul"):
-        torch.matmul(x, x.t())
+        torch.matmul(x, x.transpose(1, 2))
     with TileMode(64, False, None, False):
-        torch.matmul(x, x.t())  # strict=False: allowed
+        torch.matmul(x, x.transpose(1, 2))  # strict=False: allowed
+    with TileMode(64, True, None, False):
+        assert torch.equal(torch.matmul(x[0], x[1].t()), tiled_linear(x[0], x[1]))
 
 
 def test_a_dropout_that_is_on_is_refused_by_name():
@@ -622,6 +626,60 @@ def test_like_refuses_a_trainer_on_another_processor_kind():
         with trainer_numerics(model, like=there):
             pass
     assert NumericsSpec(**{**here.as_dict(), "hardware": ""}).mismatches(here) == []
+
+
+def test_families_whose_code_hides_the_plan_or_writes_its_own_linear_hold():
+    """StableLM and Nemotron do not pass their forward's keywords to the attention function
+    (refused before: no plan reached it): packed and left-padded rows now bitwise as alone,
+    also through activation checkpointing's recompute. A linear layer written as
+    ``x @ weight.T`` was refused as a matmul outside the tiles; it goes through them now."""
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=160,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
+    seqs = [torch.randint(3, 150, (n,)) for n in (9, 23)]
+    # A linear written as a matmul (transformers' Falcon writes ``hidden @ weight.T``): the
+    # rows go through the tiles, so a row's bits are the same alone and in any batch.
+    weight = torch.randn(48, 32, dtype=torch.bfloat16)
+    rows = torch.randn(70, 32, dtype=torch.bfloat16)
+    with TileMode(64, True, None, False):
+        whole = rows @ weight.T
+        assert torch.equal(whole, tiled_linear(rows, weight))
+        assert torch.equal((rows[5:6] @ weight.T)[0], whole[5])
+        assert torch.equal(torch.matmul(rows[None, :9], weight.T)[0], whole[:9])
+    for arch in ("stablelm", "nemotron"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **base))
+        model = model.to(torch.bfloat16)
+        ids = torch.zeros(2, 23, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        ids[0, 14:], mask[0, 14:] = seqs[0], 1
+        ids[1], mask[1] = seqs[1], 1
+        packed = torch.cat(seqs)[None]
+        positions = torch.cat([torch.arange(9), torch.arange(23)])[None]
+        with trainer_numerics(model):
+            alone = [token_logprobs(model, s[None])[0] for s in seqs]
+            padded = token_logprobs(model, ids, mask)
+            assert torch.equal(padded[0, 14:], alone[0]), arch
+            assert torch.equal(padded[1], alone[1]), arch
+            both = token_logprobs(model, packed, position_ids=positions)[0]
+            assert torch.equal(both, torch.cat(alone)), arch
+        model.train()
+        model.gradient_checkpointing_enable()
+        with trainer_numerics(model):
+            out = token_logprobs(model, ids, mask)
+            assert torch.equal(out, padded), arch
+            out.float().sum().backward()  # the recompute runs the attention again
+        assert model.model.layers[0].self_attn.q_proj.weight.grad is not None, arch
 
 
 def test_segment_plans():

@@ -36,6 +36,7 @@ __all__ = [
     "ATTENTION_NAME",
     "InvariantNumericsError",
     "Segments",
+    "current_plan",
     "expecting_windows",
     "plan_for",
     "plan_segments",
@@ -406,6 +407,29 @@ def plan_for(
     return plan_segments(batch, length, attention_mask, position_ids)
 
 
+# The segment plan of the invariant forward running in this context (its attention calls get it
+# by keyword where the modeling code passes keywords through; this holds it for code that does
+# not, and is set again around an activation-checkpointing recompute).
+_current_plan: contextvars.ContextVar[Segments | None] = contextvars.ContextVar(
+    "oldlogit_current_plan", default=None
+)
+
+
+@contextmanager
+def current_plan(segments: Segments | None) -> Iterator[None]:
+    """``segments`` is the plan of the forward running in this context, for the duration."""
+    token = _current_plan.set(segments)
+    try:
+        yield
+    finally:
+        _current_plan.reset(token)
+
+
+def plan_in_context() -> Segments | None:
+    """The plan ``current_plan`` holds here (None: no invariant forward is running)."""
+    return _current_plan.get()
+
+
 @dataclass
 class _WindowRule:
     """What the attention calls of a forward do with their sliding windows: record each
@@ -540,6 +564,10 @@ def invariant_attention(
     """HF attention-interface function; see the module docstring."""
     segments = kwargs.get(SEGMENTS_KWARG)
     name = type(module).__name__
+    if not isinstance(segments, Segments):
+        # Modeling code that does not pass its forward's keywords through to the attention
+        # function (StableLM, Nemotron): the plan of the forward this call runs in.
+        segments = _current_plan.get()
     if not isinstance(segments, Segments):
         raise InvariantNumericsError(
             f"{name}: the model did not pass oldlogit's segment plan to its attention function; "

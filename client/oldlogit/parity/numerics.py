@@ -738,6 +738,7 @@ def _under_numerics(
 
     def under_numerics(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         replay = routing.current()  # the forward's routing: the recompute replays it too
+        plan = attention.plan_in_context()  # and its segment plan
 
         def run(*ra: Any, **rk: Any) -> Any:
             cast = patch.compute.cast_params
@@ -746,6 +747,7 @@ def _under_numerics(
                 torch.autocast(patch.device_type, enabled=False),
                 patch.cast_parameters(module, prefix) if cast else nullcontext(),
                 routing.use(replay),
+                attention.current_plan(plan),
             ):
                 return fn(*ra, **rk)
 
@@ -815,6 +817,7 @@ def _invariant_call(
         patch.cast_parameters(patch.model) if compute.cast_params else nullcontext(),
         _tile_mode(patch, head, patch.lm_head_fp32 if fp32 is None else fp32),
         expecting_windows(windows) if windows is not None else nullcontext(),
+        attention.current_plan(segments),
     ):
         return original(**kwargs)
 

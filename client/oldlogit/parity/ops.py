@@ -102,6 +102,11 @@ _MATMULS: frozenset[Callable[..., Any]] = frozenset(
         *(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f),
     }
 )
+# Matmuls whose left operand's rows are independent: x [..., K] @ w [K, N] with a 2-D right
+# operand is a linear layer written by hand (Falcon's ``hidden @ weight.T``).
+_ROW_MATMULS: frozenset[Callable[..., Any]] = frozenset(
+    {torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm}
+)
 _TOPKS: frozenset[Callable[..., Any]] = frozenset({torch.topk, torch.Tensor.topk})
 
 # Dropouts, with whether each is on when its ``training`` argument is not given.
@@ -332,6 +337,10 @@ class TileMode(TorchFunctionMode):
                 "noise off (its config value at 0) or in model.eval() (strict=False runs it "
                 "anyway, without the guarantee)"
             )
+        if func in _ROW_MATMULS and not self.tp_chunks and not attention.in_attention():
+            operand = _row_operand(args, kwargs)
+            if operand is not None:  # rows through the tiles, as F.linear(x, operand.T)
+                return tiled_linear(args[0], operand.t(), None, tile_rows=self.tile_rows)
         if (
             self.strict
             and func in _MATMULS
@@ -345,6 +354,21 @@ class TileMode(TorchFunctionMode):
                 "trainer_numerics (strict=False runs it anyway, without the guarantee)"
             )
         return func(*args, **kwargs)
+
+
+def _row_operand(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The right operand of ``x @ w`` when it is a plain 2-D floating tensor [K, N] with K > 1
+    and x [..., K] has rows (a linear layer written as a matmul); else None."""
+    if kwargs or len(args) != 2:
+        return None
+    x, w = args
+    if not (isinstance(x, Tensor) and isinstance(w, Tensor)) or type(w).__name__ == "DTensor":
+        return None
+    if x.dim() < 2 or w.dim() != 2 or x.shape[-1] != w.shape[0] or w.shape[0] < 2:
+        return None
+    if not (x.is_floating_point() and x.dtype == w.dtype and x.device == w.device):
+        return None
+    return w
 
 
 def _cpu_float(args: tuple[Any, ...]) -> bool:

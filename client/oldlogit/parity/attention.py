@@ -250,21 +250,27 @@ def block_mask_ids(mask: Tensor, batch: int, length: int) -> Tensor:
         )
     allowed = allowed.expand(batch, length, length)
     i = torch.arange(length)
-    real = allowed.any(dim=-1)  # [B, T]: a query that sees something
-    first = allowed.to(torch.int8).argmax(dim=-1)  # [B, T]: the first key it sees
-    block = (i[None, None, :] >= first[..., None]) & (i[None, None, :] <= i[None, :, None])
-    # Within a sequence every token sees from the sequence's first token: a token whose first
-    # key is not itself must share its predecessor's.
-    prev_first = torch.cat([torch.full((batch, 1), -1), first[:, :-1]], dim=1)
-    prev_real = torch.cat([torch.zeros(batch, 1, dtype=torch.bool), real[:, :-1]], dim=1)
-    starts = real & (first == i)
-    joined = real & ~starts & prev_real & (prev_first == first)
-    if not torch.equal(allowed, block & real[..., None]) or not torch.equal(real, starts | joined):
-        raise InvariantNumericsError(
-            "the 4-D attention_mask is not block-diagonal and causal (each token seeing its "
-            "own packed sequence up to itself): only packed sequences can be scored"
-        )
-    return torch.where(real, starts.to(torch.int64).cumsum(dim=1), 0)
+    causal = i[None, :] <= i[:, None]  # [T, T]: key j at or before query i
+    ids = torch.zeros(batch, length, dtype=torch.int64)
+    for b in range(batch):  # one row's [T, T] at a time: long sequences stay within memory
+        row = allowed[b]
+        real = row.any(dim=-1)  # [T]: a query that sees something
+        first = row.to(torch.int8).argmax(dim=-1)  # [T]: the first key it sees
+        # Within a sequence every token sees from the sequence's first token: a token whose
+        # first key is not itself must share its predecessor's.
+        prev_first = torch.cat([torch.full((1,), -1), first[:-1]])
+        prev_real = torch.cat([torch.zeros(1, dtype=torch.bool), real[:-1]])
+        starts = real & (first == i)
+        joined = real & ~starts & prev_real & (prev_first == first)
+        block = (i[None, :] >= first[:, None]) & causal & real[:, None]
+        if not torch.equal(row, block) or not torch.equal(real, starts | joined):
+            raise InvariantNumericsError(
+                "the 4-D attention_mask is not block-diagonal and causal (each token seeing its "
+                f"own packed sequence up to itself; batch row {b}): only packed sequences can "
+                "be scored"
+            )
+        ids[b] = torch.where(real, starts.to(torch.int64).cumsum(dim=0), 0)
+    return ids
 
 
 def plan_segments(

@@ -210,7 +210,11 @@ class NumericsSpec:
         cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
         thread_free = self.tp_chunks > 0 and other.tp_chunks > 0
         if cpu and not thread_free and self.threads != other.threads:
-            out.append(f"threads: {self.threads} here, {other.threads} there")
+            out.append(
+                f"threads: {self.threads} here, {other.threads} there (CPU kernels may split "
+                f"their work by thread count: torch.set_num_threads({other.threads}) for the "
+                "scoring calls, or OMP_NUM_THREADS for the service)"
+            )
         if self.buffers and other.buffers:
             out += _map_mismatches("buffer", self.buffers, other.buffers, "absent")
         if self.config and other.config:

@@ -661,7 +661,8 @@ def patch_numerics(
     _set_forward(core, _eager(forward))
     # The decoder called on its own (``model.model(...)``, then the head over its hidden states:
     # a trainer's chunked loss) plans its batch and computes as inside the model's forward;
-    # inside that forward it receives the plan and runs as it is.
+    # inside that forward (the plan passed by keyword, or held by the context where the causal
+    # LM's code does not pass keywords on) it runs as it is: the batch is planned once.
     get_decoder = getattr(core, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     if isinstance(decoder, nn.Module) and decoder is not core:
@@ -669,7 +670,7 @@ def patch_numerics(
 
         @functools.wraps(decoder_call)
         def decoder_forward(*args: Any, **kwargs: Any) -> Any:
-            if SEGMENTS_KWARG in kwargs:
+            if SEGMENTS_KWARG in kwargs or attention.plan_in_context() is not None:
                 return decoder_call(*args, **kwargs)
             return _invariant_call(patch, decoder_call, args, kwargs)
 

@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for CI")
+    p.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave the C allocator as the process starts (default: the settings `oldlogit "
+        "serve` sets, so in-process engines run as the service's do)",
+    )
     serving.add_args(p)
     soak.add_args(p)
     delta_trace.add_args(p)
@@ -132,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
         args.versions_rounds = 1
+    # In-process baselines and engines run with the C allocator settings a serving process
+    # uses (service/oldlogit_service/model/allocator.py): otherwise an in-process engine call
+    # page-faults its activations in again layer after layer, and a figure held against it
+    # would measure glibc's trim threshold rather than the engine or the transport.
+    allocator = "default"
+    if not args.default_allocator:
+        from oldlogit_service.model.allocator import tune_allocator
+
+        allocator = "oldlogit serve's" if tune_allocator() else "default (not glibc)"
     figures = []
     # Every suite's models, snapshots and versions go under one directory, removed at the end
     # (a real-size run writes GBs; repeated runs must not fill the disk).
@@ -149,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "processor": platform.processor(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "allocator": allocator,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     path = write_results(args.out, figures, meta)

@@ -46,7 +46,10 @@ def test_bench_smoke(tmp_path: Path) -> None:
         for i, proc in enumerate(procs):
             proc.wait(timeout=480)
             assert proc.returncode == 0, (tmp_path / f"{i}.log").read_text()
-            figures += json.loads((tmp_path / str(i) / "results.json").read_text())["figures"]
+            results = json.loads((tmp_path / str(i) / "results.json").read_text())
+            figures += results["figures"]
+            # In-process engines ran with the serving process's allocator settings (glibc here).
+            assert results["meta"]["allocator"] == "oldlogit serve's", results["meta"]
             assert (tmp_path / str(i) / "ratios.png").stat().st_size > 1000
     rows: dict[str, list[dict[str, Any]]] = {}  # figure -> its rows
     for f in figures:

@@ -40,6 +40,9 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "invariant": invariant,  # also part of parity; its args and smoke come with parity's
     "tp": tensor_parallel,  # invariant's models, args and smoke; TP N vs 1 servers
 }
+# Suites that time a trainer-side path in this process (the patched forward against the plain
+# one, transformers' forward as a baseline): they run with the process's own C allocator.
+TRAINER_SIDE = frozenset({"invariant", "parity", "models"})
 DEFAULT = [
     "serving",
     "throughput",
@@ -104,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--default-allocator",
         action="store_true",
-        help="leave the C allocator as the process starts (default: the settings `oldlogit "
-        "serve` sets, so in-process engines run as the service's do)",
+        help="leave the C allocator as the process starts for every suite (default: the "
+        "suites that time the service's engine in process run with the settings `oldlogit "
+        "serve` sets, after the trainer-side suites)",
     )
     serving.add_args(p)
     soak.add_args(p)
@@ -138,26 +142,35 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
         args.versions_rounds = 1
-    # In-process baselines and engines run with the C allocator settings a serving process
-    # uses (service/oldlogit_service/model/allocator.py): otherwise an in-process engine call
-    # page-faults its activations in again layer after layer, and a figure held against it
-    # would measure glibc's trim threshold rather than the engine or the transport.
-    allocator = "default"
-    if not args.default_allocator:
-        from oldlogit_service.model.allocator import tune_allocator
-
-        allocator = "oldlogit serve's" if tune_allocator() else "default (not glibc)"
+    asked = list(dict.fromkeys(args.figures))
     figures = []
+    by_suite: dict[str, list[Figure]] = {}
+    allocator: dict[str, str] = {}
     # Every suite's models, snapshots and versions go under one directory, removed at the end
     # (a real-size run writes GBs; repeated runs must not fill the disk).
     scratch = tempfile.mkdtemp(prefix="oldlogit-bench-")
     previous, tempfile.tempdir = tempfile.tempdir, scratch
     try:
-        for name in args.figures:
-            figures.extend(SUITES[name].run(args))
+        # The suites that time a trainer's process (TRAINER_SIDE) run first, with the C
+        # allocator as a process starts; then the in-process service engines and their
+        # baselines run with the settings `oldlogit serve` sets (tune_allocator: the change
+        # cannot be undone within a process, hence the order). Otherwise an in-process engine
+        # call page-faults its activations in again layer after layer, and a figure held
+        # against the service would measure glibc's trim threshold, not the engine.
+        order = sorted(asked, key=lambda n: n not in TRAINER_SIDE)  # stable: trainer side first
+        setting = "default"
+        for name in order:
+            if name not in TRAINER_SIDE and setting == "default" and not args.default_allocator:
+                from oldlogit_service.model.allocator import tune_allocator
+
+                setting = "oldlogit serve's" if tune_allocator() else "default (not glibc)"
+            allocator[name] = setting
+            by_suite[name] = SUITES[name].run(args)
     finally:
         tempfile.tempdir = previous
         shutil.rmtree(scratch, ignore_errors=True)
+    for name in asked:  # printed and written in the order asked for
+        figures.extend(by_suite[name])
     print_table(figures)
     meta = {
         "machine": platform.machine(),

@@ -18,14 +18,16 @@ is the definition:
   ``mm`` on CPU);
 - CUDA: one ``mm`` per tile (one cuBLAS shape; a batched call's kernel may depend on the
   batch count).
-On CPU the whole tiles of an input run as chunks of up to ``CHUNK_ROWS`` rows (a multiple of
-the tile) per GEMM where that gives each of its tiles the very bits of the definition:
-checked once per process for each GEMM shape and chunk size (weight shape and strides, dtype,
-bias, thread count) on random rows against the real weight (``chunk_verified``), tiles
-otherwise. A row's bits are still the tile's by definition; the chunk is only a faster way to
-compute them (a 64-row GEMM runs at a third of a 512-row GEMM's speed in bf16 and a 64-row
-``bmm`` below one ``mm`` in float32, measured at Qwen2.5-0.5B's shapes). The last, partial
-tile is zero-padded and computed as the definition says.
+On every device the whole tiles of an input run as chunks of up to ``CHUNK_ROWS`` rows (a
+multiple of the tile) per GEMM where that gives each of its tiles the very bits of the
+definition: checked once per process for each GEMM shape and chunk size (device, weight shape
+and strides, dtype, bias, thread count) on random rows against the real weight
+(``chunk_verified``), tiles otherwise. A row's bits are still the tile's by definition; the
+chunk is only a faster way to compute them (on CPU a 64-row GEMM runs at a third of a 512-row
+GEMM's speed in bf16 and a 64-row ``bmm`` below one ``mm`` in float32, measured at
+Qwen2.5-0.5B's shapes; on an H100 one 512-row cuBLAS call costs what one 64-row call does, and
+in bf16 most of those shapes verify — a down projection with K = 4,864 does not and keeps its
+tiles). The last, partial tile is zero-padded and computed as the definition says.
 The backward is tiled the same way for the input gradient; the weight gradient is one 2-D GEMM
 over all rows (a reduction over the batch by definition), so no per-tile weight gradients exist.
 """
@@ -67,7 +69,7 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
     once per key on seeded random rows (a kernel's reduction order does not depend on the
     values, and random full-precision rows make two different orders disagree)."""
     key = (
-        weight.device.type,
+        str(weight.device),  # cuda:0 and cuda:1 may be different cards
         weight.dtype,
         weight.shape,
         weight.stride(),
@@ -132,7 +134,6 @@ def tiled_mm(
         return x.new_empty(0, n_out) if out is None else out
     x = x.contiguous()
     w_t = weight.t()  # [K, N], a view: the same layout on every path and in the backward
-    cpu = x.device.type == "cpu"
     rows = -(-m // tile_rows) * tile_rows
     step = max(tile_rows, CHUNK_ROWS - CHUNK_ROWS % tile_rows)
 
@@ -143,7 +144,7 @@ def tiled_mm(
         part[: m - start] = x[start:]
         return part
 
-    if rows <= step and cpu and chunk_verified(weight, bias, tile_rows, rows):
+    if rows <= step and chunk_verified(weight, bias, tile_rows, rows):
         # The common short input: one GEMM, no output to assemble (per-call cost counts here).
         a = rows_of(0, rows)
         if out is not None and rows == m:
@@ -158,9 +159,8 @@ def tiled_mm(
         size = min(step, rows - start)
         part = rows_of(start, size)
         dst = out[start : start + size]
-        if cpu and (
-            (size == tile_rows and strategy == "loop")
-            or chunk_verified(weight, bias, tile_rows, size)
+        if (size == tile_rows and strategy == "loop") or chunk_verified(
+            weight, bias, tile_rows, size
         ):
             _gemm(part, w_t, bias, dst)
         else:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
+from oldlogit.contract.numerics import NUMERICS_REVISION
 from oldlogit.parity import (
     ActiveDropout,
     NumericsMismatch,
@@ -472,7 +473,7 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
     for change, word in (
         ({"dtype": "float32"}, "dtype"),
         ({"threads": 99}, "threads"),
-        ({"revision": 0}, "numerics revision: 2 here, 0 there"),  # an older service
+        ({"revision": 0}, f"numerics revision: {NUMERICS_REVISION} here, 0 there"),  # older
         ({"torch_version": "2.0.0+cpu"}, "torch: "),
     ):
         other = NumericsSpec(**{**service.as_dict(), **change})
@@ -497,7 +498,10 @@ def test_like_adopts_the_service_numerics_and_refuses_a_mismatch():
     assert (
         patch.spec.mismatches(NumericsSpec(**{**patch.spec.as_dict(), "torch_version": ""})) == []
     )
-    assert f"torch={torch.__version__}" in patch.spec.key and "rev=2" in patch.spec.key
+    assert (
+        f"torch={torch.__version__}" in patch.spec.key
+        and f"rev={NUMERICS_REVISION}" in patch.spec.key
+    )
 
 
 def test_like_holds_each_layers_sliding_window_where_it_would_change_the_bits():
@@ -822,3 +826,17 @@ def test_token_logprobs_plans_a_batch_once(monkeypatch: pytest.MonkeyPatch) -> N
         # The bits are the plan's, however it was reached (one sequence alone, planned anew).
         alone = token_logprobs(model, ids[:1, -int(mask[0].sum()) :])
     assert torch.equal(got[0, -alone.shape[1] :], alone[0])
+
+
+def test_a_gpu_attention_operand_is_the_same_values_with_zero_rows_after() -> None:
+    from oldlogit.parity.attention import GPU_MARGIN_ROWS, _gpu_operand
+
+    for length in (1, 40, GPU_MARGIN_ROWS, 3 * GPU_MARGIN_ROWS - 1):
+        t = torch.randn(2, 3, length, 8, requires_grad=True)
+        u = _gpu_operand(t)
+        assert u.shape == t.shape and torch.equal(u, t)
+        base = u._base
+        assert base is not None and base.shape[2] - length >= GPU_MARGIN_ROWS
+        assert not base[:, :, length:].any()  # the rows a fused kernel may read past L
+        u.sum().backward()
+        assert torch.equal(t.grad, torch.ones_like(t))

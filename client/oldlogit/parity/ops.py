@@ -14,6 +14,9 @@ call made batch-invariant, or refused:
   vector body and of a scalar tail with different code, and which elements fall in a tail
   depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
   GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``pointwise.blockwise``;
+- a reduction over the last dimension of a GPU tensor (sum, mean, var, norm, logsumexp, …: an
+  RMSNorm's mean) runs in fixed blocks of rows: CUDA picks a reduction's launch configuration
+  from the number of rows — ``rowwise.last_dim_rows``;
 - any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode);
 - a random draw raises ``RandomForward`` (strict mode): no other forward — the service's
   least of all — can give the same bits. A dropout that is on (training, p > 0: an
@@ -37,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from . import attention, routing, tensor_parallel
 from .attention import InvariantNumericsError
 from .pointwise import POINTWISE_BLOCK, blockwise
+from .rowwise import REDUCTIONS, last_dim_rows
 from .tiles import tiled_linear
 
 __all__ = [
@@ -261,7 +265,7 @@ class TileMode(TorchFunctionMode):
         self._ruled = frozenset({F.linear}) | (
             frozenset()
             if tile_rows is None
-            else _TOPKS | _POINTWISE | _MATMULS | _RANDOM | set(_DROPOUTS)
+            else _TOPKS | _POINTWISE | _MATMULS | _RANDOM | set(_DROPOUTS) | set(REDUCTIONS)
         )
 
     def __torch_function__(
@@ -316,6 +320,9 @@ class TileMode(TorchFunctionMode):
             # A MoE block's routing top-k under a replayed routing takes the given experts
             # (``routing.routed_topk``); otherwise the stable rule's result, as it is.
             return routing.routed_topk(x, k, dim, largest, stable_topk(x, k, dim, largest))
+        if func in REDUCTIONS:
+            reduced = last_dim_rows(func, args, kwargs)
+            return func(*args, **kwargs) if reduced is None else reduced
         if func in _POINTWISE and _cpu_float(args):
             return blockwise(func, *args, **kwargs)
         if self.strict and func in _DROPOUTS:

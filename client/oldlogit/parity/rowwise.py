@@ -1,0 +1,137 @@
+"""Reductions over the last dimension whose every row gets the same bits whatever the number of
+rows, on a GPU.
+
+In: a reduction torch call (``sum``, ``mean``, ``var``, ``std``, ``logsumexp``, ``norm``, …) over
+the last dimension of a tensor on a GPU. Out: the same values as the definition — the rows in
+blocks of exactly ``BLOCK_ROWS`` rows, the last one zero-padded, one call per block — computed
+in one call per chunk of up to ``CHUNK_ROWS`` rows where that was checked to give the blocks'
+bits. On CUDA torch picks a reduction's launch configuration (how a row is split over a block's
+threads and, for long rows, over blocks) from the number of rows as well as their length, so a
+row's sum can change with the other rows (measured on an H100: a float32 mean over 896 values
+gives other bits for 1–15 rows than for 1,000). A CPU reduction computes each row in the same
+vector code whatever the rows, and is left as it is. Used by ``ops.TileMode``. A leaf besides
+``pointwise.seeded_randn``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .pointwise import seeded_randn
+
+__all__ = ["BLOCK_ROWS", "CHUNK_ROWS", "REDUCTIONS", "by_definition", "last_dim_rows"]
+
+BLOCK_ROWS = 64
+CHUNK_ROWS = 512  # rows per call where verified; not numerics (see the module docstring)
+
+# Each reduction with the place of its ``dim`` argument after the input.
+REDUCTIONS: dict[Callable[..., Any], int] = {
+    f: pos
+    for names, pos in (
+        (("sum", "mean", "nansum", "nanmean", "var", "std", "logsumexp"), 1),
+        (("norm",), 2),
+    )
+    for name in names
+    for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+    if f is not None
+} | {torch.linalg.vector_norm: 2}
+
+_verified: dict[tuple[Any, ...], bool] = {}
+_lock = threading.Lock()
+
+
+def _dim_of(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    pos = REDUCTIONS[func]
+    return kwargs.get("dim", args[pos] if len(args) > pos else None)
+
+
+def last_dim_rows(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor | None:
+    """The call's result by the definition when it reduces a GPU tensor of two or more
+    dimensions over its last dimension alone; None when the rule does not apply (CPU, a whole
+    tensor, other dimensions: the call runs as it is)."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or x.device.type == "cpu":
+        return None
+    return by_definition(func, args, kwargs)
+
+
+def by_definition(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor | None:
+    """``last_dim_rows`` on any device (tests run it on CPU, where the plain call already gives
+    each row the same bits)."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        return None
+    dim = _dim_of(func, args, kwargs)
+    if isinstance(dim, Sequence) and not isinstance(dim, str):
+        if len(dim) != 1:
+            return None
+        dim = dim[0]
+    if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
+        return None
+    pos = REDUCTIONS[func]
+    rest = list(args[1:])
+    call_kwargs = dict(kwargs)
+    call_kwargs.pop("input", None)
+    if "dim" in call_kwargs:
+        call_kwargs["dim"] = -1
+    else:
+        rest[pos - 1] = -1
+
+    def reduce(rows: Tensor) -> Tensor:  # [r, H] → [r] or [r, 1]
+        out: Tensor = func(rows, *rest, **call_kwargs)
+        return out
+
+    width = x.shape[-1]
+    flat = x.reshape(-1, width)  # [R, H]
+    out = _by_blocks(
+        reduce, flat, (func, tuple(map(repr, rest)), repr(sorted(call_kwargs.items())))
+    )
+    return out.reshape(*x.shape[:-1], *out.shape[1:])
+
+
+def _by_blocks(reduce: Callable[[Tensor], Tensor], flat: Tensor, key: tuple[Any, ...]) -> Tensor:
+    """The definition over [R, H] rows: blocks of BLOCK_ROWS (the last zero-padded), one call
+    each, or one call per verified chunk."""
+    count, width = flat.shape
+    padded = -(-count // BLOCK_ROWS) * BLOCK_ROWS
+    if padded != count:
+        flat = torch.cat([flat, flat.new_zeros(padded - count, width)])
+    parts = []
+    for start in range(0, padded, CHUNK_ROWS):
+        chunk = flat[start : start + CHUNK_ROWS]
+        size = chunk.shape[0]
+        if size == BLOCK_ROWS or _chunk_verified(reduce, flat, size, key):
+            parts.append(reduce(chunk))
+        else:
+            parts.extend(reduce(block) for block in torch.split(chunk, BLOCK_ROWS))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:count]
+
+
+def _chunk_verified(
+    reduce: Callable[[Tensor], Tensor], like: Tensor, size: int, key: tuple[Any, ...]
+) -> bool:
+    """Whether one call over ``size`` rows gives each row its block's bits: checked once per
+    (call, device, dtype, row length, size) on seeded random rows (a kernel's reduction order
+    does not depend on the values; random rows make two orders disagree)."""
+    full = (*key, str(like.device), like.dtype, like.shape[1], size)
+    ok = _verified.get(full)
+    if ok is not None:
+        return ok
+    with _lock, torch.no_grad():
+        gen = torch.Generator().manual_seed(size * 131 + like.shape[1])
+        rows = seeded_randn(size, like.shape[1], generator=gen).to(like.device, like.dtype)
+        whole = reduce(rows)
+        blocks = torch.cat([reduce(b) for b in torch.split(rows, BLOCK_ROWS)])
+        ok = bool(torch.equal(whole, blocks))
+        _verified[full] = ok
+    return ok

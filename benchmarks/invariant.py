@@ -7,6 +7,7 @@ bf16 at Qwen2.5-0.5B's layer shapes with vocab 32,768, 4 layers; 1 × 128, 16 ×
 4 × 512); the two variants interleaved, median of the per-round ratios.
 
 ``oldlogit bench invariant`` runs this figure alone; the ``parity`` suite includes it.
+``--device cuda`` runs both forwards on the GPU (each timed call waits for its kernels).
 """
 
 from __future__ import annotations
@@ -90,22 +91,28 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
     from oldlogit.parity import token_logprobs, trainer_numerics
 
     figures = []
+    device = torch.device(getattr(args, "device", "cpu"))
+    # Work on a GPU is asynchronous: each timed call ends when its kernels have.
+    settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for label, model_dir in models(args, root).items():
         dtype = torch.float32 if label == "fp32" else torch.bfloat16
         model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        model = model.to(device)
         vocab = int(model.config.vocab_size)
         for batch, tokens in shapes(args):
             ids = torch.randint(
                 0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0)
-            )
+            ).to(device)
 
             def plain(ids: torch.Tensor = ids, model: Any = model) -> None:
                 with torch.inference_mode():
                     _plain_logprobs(model, ids)
+                settle()
 
             def invariant(ids: torch.Tensor = ids, model: Any = model) -> None:
                 with torch.inference_mode():
                     token_logprobs(model, ids)
+                settle()
 
             plain_s, inv_s, ratios = interleaved(
                 (contextlib.nullcontext, plain),
@@ -116,7 +123,8 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
             figures.append(
                 Figure(
                     "invariant-vs-plain",
-                    f"{label} {batch} × {tokens}: plain time ÷ invariant time, in process",
+                    f"{label} {batch} × {tokens}: plain time ÷ invariant time, in process"
+                    + ("" if device.type == "cpu" else f" on {device.type}"),
                     statistics.median(ratios),
                     "ratio",
                     ">= 0.95",
@@ -126,6 +134,7 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
                         "ratios": ratios,
                         "model": f"{label}: hidden {model.config.hidden_size}, 4 layers, "
                         f"vocab {vocab}",
+                        "device": str(device),
                     },
                 )
             )

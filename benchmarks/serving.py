@@ -176,7 +176,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device", default="cpu", help="serving and invariant: where the forwards run (cuda)"
+    )
     p.add_argument("--mode", default="deterministic")
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)

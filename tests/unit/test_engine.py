@@ -335,3 +335,40 @@ def test_deterministic_is_bitwise_reference_on_cuda(tiny_loaded_factory, dtype, 
             ref = reference_logprobs(model, weights, job.token_ids, job.sampling)
             assert out.device.type == "cpu"
             assert np.array_equal(out.numpy(), ref[job.positions.numpy()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_cuda_out_of_memory_is_a_clean_error_and_the_engine_goes_on(tiny_loaded_factory):
+    """The caching allocator's own failure (the process held to its weights and 32 MiB more),
+    not a simulated one: the batch fails with ``OutOfMemory``, the cache is released, and the
+    next batch on the same engine is served with the reference's bits."""
+    model, weights = tiny_loaded_factory(dtype="float32", device="cuda")
+    weights = {k: v.to(model.device) for k, v in weights.items()}
+    rng = np.random.default_rng(11)
+    ids = torch.from_numpy(rng.integers(0, model.vocab_size, 40).astype(np.int64))
+    small = Job(ids, torch.arange(1, 40), SamplingParams())
+    engine = Engine(model, max_batch_tokens=1 << 20)
+    want = reference_logprobs(model, weights, ids)[1:]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (32 << 20)) / total)
+    try:
+        big = [
+            Job(
+                torch.from_numpy(rng.integers(0, model.vocab_size, 250).astype(np.int64)),
+                torch.arange(1, 250),
+                SamplingParams(),
+            )
+            for _ in range(2000)
+        ]  # 500,000 tokens in one batch
+        with pytest.raises(OutOfMemory) as info:
+            engine.run(weights, big)
+        assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+        assert info.value.http_status == 507
+        got = engine.run(weights, [small])[0]
+        assert np.array_equal(got.numpy(), want)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

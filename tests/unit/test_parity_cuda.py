@@ -1,16 +1,26 @@
 """The invariant numerics on CUDA: one cuBLAS shape per tile, per-sequence attention.
 
 Skipped without CUDA (``gpu`` marker). The same properties as the CPU tests: a row's bits do not
-depend on the other rows, and a trainer's micro-batch, padding or packing changes no bit.
+depend on the other rows, a trainer's micro-batch, padding or packing changes no bit, and a
+trainer on the GPU scores what the service's engine serves from it, bitwise, in every
+architecture family.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from oldlogit.parity import tiled_mm, token_logprobs, trainer_numerics
+from oldlogit.parity import rowwise, tiled_mm, token_logprobs, trainer_numerics
+from oldlogit_service.model.checkpoints import load_weights
+from oldlogit_service.model.engine import Engine, Job
+from oldlogit_service.model.loaded import load_model
+from oldlogit_service.model.numerics import SamplingParams
+from tests.architectures import ARCHS, VOCAB, hf_model, model_dir
+from tests.parity_setups import left_padded
 from tests.unit.test_parity_invariance import _model, _padded, _sequences
 
 pytestmark = pytest.mark.gpu
@@ -64,3 +74,101 @@ def test_a_trainer_with_tf32_or_other_reductions_on_scores_the_same_bits(dtype):
         matmul.allow_tf32 = before[0]
         matmul.allow_bf16_reduced_precision_reduction = before[1]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("setup", ["module_cast", "autocast"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_trainer_on_cuda_is_bitwise_with_the_service_on_cuda(
+    arch: str, setup: str, tmp_path: Path
+) -> None:
+    """The parity contract on a GPU, per architecture family: a trainer that cast its float32
+    checkpoint to bfloat16 or keeps float32 masters under CUDA autocast scores a left-padded
+    batch with the very bits the service's engine serves from the same GPU."""
+    hub = model_dir(tmp_path / "m", arch, seed=4)
+    service = load_model(hub, dtype="bfloat16", device="cuda")
+    weights = load_weights(hub, service)
+    assert weights is not None
+    weights = {k: v.cuda() for k, v in weights.items()}
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, VOCAB, n) for n in (5, 23, 40)]
+    jobs = [
+        Job(torch.from_numpy(s.astype(np.int64)), torch.arange(1, len(s)), SamplingParams())
+        for s in seqs
+    ]
+    served = [out.numpy() for out in Engine(service).run(weights, jobs)]
+
+    trainer = hf_model(arch, seed=4).cuda()  # the checkpoint's float32 weights
+    if setup == "module_cast":
+        trainer = trainer.to(torch.bfloat16)
+    ids, mask = left_padded(seqs)
+    width = ids.shape[1]
+    around = torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "autocast")
+    with torch.no_grad(), trainer_numerics(trainer, like=service.numerics_spec(False)), around:
+        out = token_logprobs(trainer, ids.cuda(), mask.cuda()).cpu()
+    for i, (s, want) in enumerate(zip(seqs, served, strict=True)):
+        got = out[i, width - len(s) + 1 :].numpy()
+        assert np.array_equal(got, want), (arch, setup, i, float(np.abs(got - want).max()))
+
+
+@pytest.mark.parametrize("width", [896, 32768])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reductions_on_cuda_are_row_invariant(width: int, dtype: torch.dtype) -> None:
+    """CUDA's reduction kernels pick their launch configuration from the number of rows too (a
+    mean over 896 floats gives other bits for 1–15 rows than for 1,000 on an H100): under the
+    rule every row gets the bits it gets among any other rows."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1000, width, generator=gen, device="cuda").to(dtype)
+    calls = [
+        (torch.Tensor.mean, (-1,), {"keepdim": True}),
+        (torch.Tensor.sum, (-1,), {"dtype": torch.float32}),
+        (torch.logsumexp, (-1,), {}),
+        (torch.Tensor.var, (-1,), {"unbiased": False}),
+    ]
+    for func, rest, kwargs in calls:
+        whole = rowwise.last_dim_rows(func, (x, *rest), dict(kwargs))
+        assert whole is not None
+        for n in (1, 2, 3, 7, 15, 16, 40, 64, 65, 513, 999):
+            part = rowwise.last_dim_rows(func, (x[1000 - n :], *rest), dict(kwargs))
+            assert torch.equal(part, whole[1000 - n :]), (func, n)
+
+
+@pytest.mark.parametrize("draw", ["checkpoint", "start-up"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_and_alone_agree_at_a_real_width_on_cuda(
+    tmp_path: Path, dtype: str, draw: str
+) -> None:
+    """The service's start-up check (sequences of 2–130 tokens packed together and each alone)
+    on a model 0.5B models are as wide (12 layers, hidden 896, 28 query and 14 key-value heads,
+    a 32,768-token vocabulary), several draws: where the tiny models of the other tests cannot
+    show a kernel picked by the row count or the alignment, this one does. "start-up" draws
+    the weights `oldlogit serve` checks with when its store is empty (small random values:
+    the case that still differed on an H100 once the operands were fresh copies)."""
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+    from oldlogit_service.model.engine import self_check
+
+    hub = make_tiny_model_dir(
+        tmp_path / "m",
+        arch="qwen2",
+        seed=0,
+        vocab_size=32768,
+        hidden_size=896,
+        num_layers=12,
+        num_heads=28,
+        num_kv_heads=14,
+        intermediate_size=2688,
+        max_positions=2048,
+        dtype=dtype,
+    )
+    model = load_model(hub, dtype=dtype, device="cuda")
+    weights = load_weights(hub, model)
+    assert weights is not None
+    engine = Engine(model, max_batch_tokens=32768)
+    weights = {k: v.cuda() for k, v in weights.items()}
+    if draw == "start-up":
+        gen = torch.Generator().manual_seed(0)
+        weights = {
+            name: (torch.randn(shape, generator=gen) * 0.05).to("cuda", model.weight_dtype(name))
+            for name, (_, shape) in model.param_specs.items()
+        }
+    for seed in range(4):
+        assert self_check(engine, weights, seed=seed) > 0

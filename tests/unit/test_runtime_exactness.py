@@ -209,7 +209,11 @@ def test_cuda_deterministic_bitwise_with_host_tier(
         got = asyncio.run(_serve_all(rt, cases, rng))
         stats = rt.store.stats()
         assert stats.tiers["device"].evictions > 0
-        assert stats.tiers["host"].versions > 0
+        # Evicted device copies came back from the pinned host tier, not only from disk. (What
+        # the host tier holds at the end is the eviction policy's: decoded patches share it,
+        # and in bfloat16 they filled it at the end of a run on an H100.)
+        assert stats.loads_host > 0, stats
+        assert stats.tiers["host"].peak_bytes > 0, stats
     finally:
         rt.close()
         rt.store.close()

@@ -42,8 +42,8 @@ DEFAULT_TP_CHUNKS = 8
 # Bumped whenever oldlogit changes the bits it computes for the same settings (a kernel, an op's
 # blocking, the order of a reduction). Part of the numerics: a trainer and a service on
 # different revisions may disagree in last bits, and result caches keyed on another revision
-# are never read. 3: on a GPU, reductions over the last dimension in fixed row blocks and
-# attention operands in fresh zero-margined buffers (CPU bits unchanged).
+# are never read. 3: on a GPU, reductions over the last dimension in fixed row blocks,
+# attention operands as fresh copies and cuDNN's attention kernel off (CPU bits unchanged).
 NUMERICS_REVISION = 3
 
 # How the service gets the floating buffers a forward reads that are not weights (rotary

@@ -13,7 +13,7 @@ window is narrower than L and no logit softcap is set; an explicit causal+window
 sliding window is narrower than L; the eager formula (as HF writes it for Gemma 2) when the
 attention logits are soft-capped or dropout is on. On CPU, sequences of equal length share one
 SDPA call (each batch element gets the bits it gets alone — measured and checked at start-up);
-on a GPU every call gets fresh operands with zero rows after the sequence (``_gpu_operand``).
+on a GPU every call gets fresh contiguous operands (``_gpu_operand``) and never cuDNN's kernel.
 """
 
 from __future__ import annotations
@@ -546,23 +546,14 @@ def _segment_attention(
     return torch.matmul(probs, v)
 
 
-# Zero rows after each head's L rows of a GPU attention operand: a multiple of this, and at
-# least this many (more than a fused kernel's key or query tile).
-GPU_MARGIN_ROWS = 256
-
-
 def _gpu_operand(t: Tensor) -> Tensor:
-    """[n, h, L, D] → the same values in a fresh buffer [n, h, L', D] with zero rows after L,
-    as a view [n, h, L, D]. Measured on an H100 (torch 2.11, bf16): the same sequence's
-    attention gave one-ulp differences in some rows between its call inside a packed batch and
-    alone — first when its operands were views into the packed rows (fresh contiguous copies
-    fixed that case), and still, with identical operands, at the service's start-up weights
-    (the output's rows depend on something beyond the operands' values and shapes, such as the
-    memory around them, which fused kernels may read past the sequence and mask). Every call on
-    one length then gets the same operands, strides, alignment and neighbouring memory."""
-    length = t.shape[2]
-    rows = (length // GPU_MARGIN_ROWS + 2) * GPU_MARGIN_ROWS
-    return F.pad(t, (0, 0, 0, rows - length))[:, :, :length]
+    """A fresh contiguous copy. Measured on an H100 (torch 2.11, bf16): a sequence's attention
+    as views into the packed rows and alone differed by one ulp in some rows; as fresh copies
+    they agreed (a checkpoint's weights, four draws). Every call on one length then gets the
+    same operands, strides and alignment. (With identical operands it still differed at small
+    random weights: the cuDNN attention kernel, not deterministic, is switched off for the
+    forward in ``settings.py``.)"""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _plain_call(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) -> Tensor:

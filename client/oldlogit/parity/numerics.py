@@ -148,8 +148,9 @@ def _tile_mode(patch: NumericsPatch | None, head: nn.Module | None, fp32: bool) 
         strict = patch.strict if patch is not None else False
         tp_chunks = patch.tp_chunks if patch is not None else 0
         tied = patch.tied_head if patch is not None else False
+        gpu = patch is None or patch.device_type != "cpu"
         with (
-            TileMode(tile_rows, strict, head, fp32, tp_chunks, tied),
+            TileMode(tile_rows, strict, head, fp32, tp_chunks, tied, gpu=gpu),
             attention.thread_count_free(tp_chunks > 0),
             default_kernel_settings() if patch is not None else nullcontext(),
         ):

@@ -240,7 +240,8 @@ def _topk_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, i
 
 class TileMode(TorchFunctionMode):
     """The rules of the module docstring. ``tile_rows=None`` (the plain profile) changes
-    nothing but the head's dtype when ``fp32`` asks for it."""
+    nothing but the head's dtype when ``fp32`` asks for it; ``gpu=False`` (a model on CPU)
+    leaves the reduction rule out of the per-call path."""
 
     def __init__(
         self,
@@ -250,6 +251,7 @@ class TileMode(TorchFunctionMode):
         fp32: bool,
         tp_chunks: int = 0,
         tied_head: bool = False,
+        gpu: bool = True,
     ) -> None:
         super().__init__()
         self.tp_chunks = tp_chunks
@@ -265,8 +267,10 @@ class TileMode(TorchFunctionMode):
         self._ruled = frozenset({F.linear}) | (
             frozenset()
             if tile_rows is None
-            else _TOPKS | _POINTWISE | _MATMULS | _RANDOM | set(_DROPOUTS) | set(REDUCTIONS)
+            else _TOPKS | _POINTWISE | _MATMULS | _RANDOM | set(_DROPOUTS)
         )
+        if tile_rows is not None and gpu:  # a CPU model's reductions pass straight through
+            self._ruled = self._ruled | set(REDUCTIONS)
 
     def __torch_function__(
         self,

@@ -58,3 +58,14 @@ def test_a_chunk_that_does_not_verify_runs_its_blocks(monkeypatch: pytest.Monkey
     out = rowwise._by_blocks(counting, x, ("k",))
     assert torch.equal(out, x.sum(-1))
     assert seen == [64] * 11  # 704 rows: 11 blocks, none merged
+
+
+def test_the_definition_has_the_plain_calls_gradient() -> None:
+    """A trainer's backward runs through the blocks (padding rows take no gradient)."""
+    x = torch.randn(3, 70, 48, requires_grad=True)
+    out = rowwise.by_definition(torch.Tensor.var, (x, -1), {"keepdim": True, "correction": 0})
+    assert out is not None
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    y = x.detach().requires_grad_()
+    (want,) = torch.autograd.grad(y.var(-1, keepdim=True, correction=0).square().sum(), y)
+    assert torch.equal(grad, want)

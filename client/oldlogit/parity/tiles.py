@@ -69,7 +69,7 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
     once per key on seeded random rows (a kernel's reduction order does not depend on the
     values, and random full-precision rows make two different orders disagree)."""
     key = (
-        str(weight.device),  # cuda:0 and cuda:1 may be different cards
+        weight.device,  # cuda:0 and cuda:1 may be different cards
         weight.dtype,
         weight.shape,
         weight.stride(),

@@ -230,11 +230,17 @@ def test_a_version_one_rank_evicted_is_held_on_every_rank_before_it_runs(
     monkeypatch.setattr(front, "forward", forwarding)
     rng = random.Random(first)
     for _ in range(3):
-        _assert_same(pair, "http", _sequences(rng, [first], 2))  # resident on every rank now
-        deadline = time.monotonic() + 10
-        # The load stage lets it go on every rank.
-        while (held.get(first) or letting_go.get(first)) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        for _attempt in range(5):
+            _assert_same(pair, "http", _sequences(rng, [first], 2))  # resident on every rank
+            deadline = time.monotonic() + 10
+            # The load stage lets it go on every rank.
+            while (held.get(first) or letting_go.get(first)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # Letting go may evict it on the front too (its store keeps by its own order,
+            # which credits rebuild cost and reuse, not only recency; seen once in a full
+            # run). Nothing else runs now, so what is resident stays until the eviction below.
+            if front.store.resident(first):
+                break
         # Rank 1 drops it; the front keeps it.
         evicted = [r.raise_for(rank) for rank, r in enumerate(front._command("evict", first))]
         assert front.store.resident(first) and evicted[1]

@@ -211,10 +211,12 @@ def recent_skewed_requests(rng: random.Random, requests: int, clients: int) -> d
     return per_client
 
 
-def naive_server(model_dir: Path, vdir: Path, dtype: str = "float32") -> ServerProcess:
+def naive_server(
+    model_dir: Path, vdir: Path, dtype: str = "float32", device: str = "cpu"
+) -> ServerProcess:
     """benchmarks/naive_server.py in a subprocess, on the versions ``write_versions`` wrote."""
     cmd = [sys.executable, "-m", "benchmarks.naive_server", "--model", str(model_dir)]
-    cmd += ["--versions", str(vdir), "--dtype", dtype]
+    cmd += ["--versions", str(vdir), "--dtype", dtype, "--device", device]
     return ServerProcess([], cmd=cmd, ports=("http",))
 
 
@@ -226,6 +228,7 @@ def versions_server(
     mode: str = "deterministic",
     dtype: str = "float32",
     max_batch_tokens: int,
+    device: str = "cpu",
 ) -> ServerProcess:
     """`oldlogit serve` as the versions workload measures it: no response cache, a device
     budget of BUDGET_VERSIONS versions of ``base``'s size, a 2 ms batching window; the
@@ -251,5 +254,7 @@ def versions_server(
             "2",
             "--max-batch-tokens",
             str(max_batch_tokens),
+            "--device",
+            device,
         ]
     )

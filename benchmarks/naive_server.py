@@ -23,15 +23,17 @@ from transformers import AutoModelForCausalLM
 
 
 def load_version(model: Any, versions_dir: Path, version: int | str) -> None:
-    """Load version ``version``'s weights (``v{version}.safetensors``) into ``model``."""
-    state = load_file(str(Path(versions_dir) / f"v{version}.safetensors"))
+    """Load version ``version``'s weights (``v{version}.safetensors``) into ``model``, on the
+    model's device."""
+    device = str(next(model.parameters()).device)
+    state = load_file(str(Path(versions_dir) / f"v{version}.safetensors"), device=device)
     model.load_state_dict(state, strict=False)
 
 
 def token_logprobs(model: Any, token_ids: list[int]) -> list[float]:
     """One transformers forward on one sequence: the float32 log-softmax of its logits,
     gathered at the tokens of positions 1..n-1 (raw distribution)."""
-    ids = torch.tensor([token_ids])
+    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
     with torch.inference_mode():
         logits = model(ids).logits.float()  # [1, T, V]
     lp = torch.log_softmax(logits[0, :-1], dim=-1)
@@ -43,8 +45,10 @@ class Req(BaseModel):
     policy_version: int
 
 
-def create_app(model_dir: Path, versions_dir: Path, dtype: torch.dtype) -> FastAPI:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def create_app(
+    model_dir: Path, versions_dir: Path, dtype: torch.dtype, device: str = "cpu"
+) -> FastAPI:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     lock = threading.Lock()
     current = {"version": None}
     app = FastAPI()
@@ -65,9 +69,10 @@ def main() -> None:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--versions", type=Path, required=True)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args()
-    app = create_app(args.model, args.versions, getattr(torch, args.dtype))
+    app = create_app(args.model, args.versions, getattr(torch, args.dtype), args.device)
     sock = socket.socket()
     sock.bind(("127.0.0.1", args.port))
     # Listening before the port is printed: a client that reads it and connects at once is

@@ -177,7 +177,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dtype", default="float32")
     p.add_argument(
-        "--device", default="cpu", help="serving and invariant: where the forwards run (cuda)"
+        "--device",
+        default="cpu",
+        help="serving, invariant, throughput: where the forwards run (cuda); the naive baseline "
+        "runs there too",
     )
     p.add_argument("--mode", default="deterministic")
     p.add_argument("--seqs", type=int, default=64)

@@ -17,6 +17,7 @@ latency-under-load       p50/p99 of single-sequence requests at 10 %, 50 %, 80 %
                          capacity.
 "Deterministic" is the default (invariant numerics, packed batches, exact); "fast" is
 ``--numerics hf --mode fast`` (the plain HF forward, sequences padded together, inexact).
+``--device cuda`` runs the in-process engines, both servers and the naive baseline on the GPU.
 """
 
 from __future__ import annotations
@@ -51,9 +52,17 @@ from benchmarks.serving import build_model
 
 
 def _gemm_flops(a: torch.Tensor, b: torch.Tensor, reps: int = 5) -> float:
-    """FLOP/s of ``a @ b`` (square), the median of ``reps`` calls after one."""
+    """FLOP/s of ``a @ b`` (square), the median of ``reps`` calls after one (each call waits
+    for its kernel on a GPU)."""
     n = a.shape[0]
-    ts = timed(lambda: torch.mm(a, b), reps=reps)
+    cuda = a.device.type == "cuda"
+
+    def gemm() -> None:
+        torch.mm(a, b)
+        if cuda:
+            torch.cuda.synchronize()
+
+    ts = timed(gemm, reps=reps)
     return 2 * n**3 / statistics.median(ts)
 
 
@@ -99,15 +108,17 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-g-"))
     model_dir = build_model(args, root)
-    model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    device = torch.device(args.device)
+    model = load_model(model_dir, dtype=torch.float32, device=device)
     # Fast mode pads only under the plain numerics (under the invariant ones it is an alias of
     # deterministic mode): "fast" is ``--numerics hf --mode fast`` here, in process and served.
     models = {
         "deterministic": model,
-        "fast": load_model(model_dir, dtype=torch.float32, device="cpu", numerics="hf"),
+        "fast": load_model(model_dir, dtype=torch.float32, device=device, numerics="hf"),
     }
-    base = load_weights(model_dir, model)
+    base = load_weights(model_dir, model)  # on CPU: written, published
     assert base is not None
+    on_device = {k: v.to(device) for k, v in base.items()}  # what in-process engines run on
     rng = random.Random(0)
     figures: list[Figure] = []
     conc = args.concurrency
@@ -130,15 +141,15 @@ def run(args: argparse.Namespace) -> list[Figure]:
         ]
         # The forward and the GEMM it is held to, interleaved round by round (this machine's
         # speed drifts between minutes): the figure is the median of the rounds' ratios.
-        engine.run(base, jobs)
-        a = torch.randn(2048, 2048)
-        b = torch.randn(2048, 2048)
+        engine.run(on_device, jobs)
+        a = torch.randn(2048, 2048, device=device)
+        b = torch.randn(2048, 2048, device=device)
         work = _forward_flops(model, args.seq_len, args.seqs)
         fwd_s: list[float] = []
         gemm_fps: list[float] = []
         ratios: list[float] = []
         for _ in range(args.reps):
-            fwd_s += timed(lambda: engine.run(base, jobs), reps=1, warmup=0)
+            fwd_s += timed(lambda: engine.run(on_device, jobs), reps=1, warmup=0)
             gemm_fps.append(_gemm_flops(a, b))
             ratios.append(work / fwd_s[-1] / gemm_fps[-1])
         figures.append(
@@ -160,7 +171,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
     # The versions of versions-vs-naive, written for the naive server too.
     versions = write_versions(base, root / "versions")
-    naive = naive_server(model_dir, root / "versions")
+    naive = naive_server(model_dir, root / "versions", device=args.device)
     servers = {
         mode: versions_server(
             model_dir,
@@ -168,6 +179,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
             base,
             mode=mode,
             max_batch_tokens=max(args.seqs * args.seq_len, conc * L),
+            device=args.device,
         )
         for mode in ((args.versions_mode,) if only else ("deterministic", "fast"))
     }
@@ -214,7 +226,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 for s in singles
             ]
             inproc = statistics.median(
-                timed(lambda eng=eng, sjobs=sjobs: eng.run(base, sjobs), reps=args.reps)
+                timed(lambda eng=eng, sjobs=sjobs: eng.run(on_device, sjobs), reps=args.reps)
             )
             inproc_tps = conc * L / inproc
             inproc_s[mode] = inproc / conc  # seconds per single sequence, no switches
@@ -358,7 +370,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
                 )
             tps_by_mode[mode] = args.seqs * args.seq_len / res["median_s"]
         dev = measure_fast_mode_deviation(
-            models["fast"], base, num_sequences=8, min_len=2, max_len=args.seq_len
+            models["fast"], on_device, num_sequences=8, min_len=2, max_len=args.seq_len
         )
         figures.append(
             Figure(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go: the `gpu`-marked tests (they skip without CUDA),
-# then the figures that run on the GPU (`oldlogit bench invariant` and `serving` with
-# --device cuda). Run from a source checkout whose Python has the service's dependencies
+# then the figures that run on the GPU (`oldlogit bench invariant`, `serving` and `throughput`
+# with --device cuda). Run from a source checkout whose Python has the service's dependencies
 # (`make install` on a GPU machine, or PYTHONPATH=client:service:. with them installed).
 #
 #   bash scripts/gpu_checks.sh [OUT_DIR]     (default /tmp/oldlogit-gpu)
@@ -34,4 +34,8 @@ status=${PIPESTATUS[0]}
 "$py" -m oldlogit_service.cli bench serving --device cuda --dtype bfloat16 \
     --hidden 896 --layers 12 --vocab 32768 --seqs 64 --seq-len 512 \
     --out "$out/bench-serving" || echo "gpu_checks: bench serving failed"
+# 3. The GPU-shaped targets (concurrent-vs-naive, versions-vs-naive, forward-roofline), the
+# naive baseline on the GPU too; the suite's small default model (16 versions are written).
+"$py" -m oldlogit_service.cli bench throughput --device cuda --out "$out/bench-throughput" \
+    || echo "gpu_checks: bench throughput failed"
 exit "$status"

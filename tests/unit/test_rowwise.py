@@ -43,6 +43,7 @@ def test_other_reductions_are_left_alone() -> None:
     assert rowwise.by_definition(torch.mean, (x, 1), {}) is None  # not the last dimension
     assert rowwise.by_definition(torch.sum, (x, (1, 2)), {}) is None
     assert rowwise.by_definition(torch.sum, (x[0, 0],), {"dim": -1}) is None  # one row
+    assert rowwise.by_definition(torch.sum, (x, -1), {"out": torch.empty(4, 5)}) is None
     assert rowwise.last_dim_rows(torch.mean, (x, -1), {}) is None  # CPU: as it is
 
 

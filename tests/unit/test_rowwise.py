@@ -58,7 +58,11 @@ def test_a_chunk_that_does_not_verify_runs_its_blocks(monkeypatch: pytest.Monkey
     monkeypatch.setattr(rowwise, "_chunk_verified", lambda *a: False)
     out = rowwise._by_blocks(counting, x, ("k",))
     assert torch.equal(out, x.sum(-1))
-    assert seen == [64] * 11  # 704 rows: 11 blocks, none merged
+    assert seen == [64] * 11  # 700 rows: 10 whole blocks, none merged, and the padded last
+    seen.clear()
+    monkeypatch.setattr(rowwise, "_chunk_verified", lambda *a: True)
+    assert torch.equal(rowwise._by_blocks(counting, x, ("k",)), x.sum(-1))
+    assert seen == [640, 64]  # one call for the whole blocks, one for the padded last
 
 
 def test_the_definition_has_the_plain_calls_gradient() -> None:

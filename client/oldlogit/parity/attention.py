@@ -522,12 +522,16 @@ def _segment_attention(
     """n sequences of the same length L: q/k [n, H(kv), L, D], v [n, Hkv, L, Dv] → [n, H, L, Dv]."""
     n, heads, length = q.shape[0], q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
+    gpu = q.device.type != "cpu"
+    if gpu:
+        q = _gpu_operand(q)
     if kv_heads != heads:  # grouped-query attention: the same expansion as HF's repeat_kv
+        # (its reshape of the expanded view is a fresh contiguous copy already)
         rep = heads // kv_heads
         k = k[:, :, None].expand(n, kv_heads, rep, *k.shape[2:]).reshape(n, heads, *k.shape[2:])
         v = v[:, :, None].expand(n, kv_heads, rep, *v.shape[2:]).reshape(n, heads, *v.shape[2:])
-    if q.device.type != "cpu":
-        q, k, v = (_gpu_operand(t) for t in (q, k, v))
+    elif gpu:
+        k, v = _gpu_operand(k), _gpu_operand(v)
     windowed = sliding_window is not None and sliding_window < length
     if softcap is None and dropout == 0.0:
         if not windowed:

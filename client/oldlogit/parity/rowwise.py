@@ -126,7 +126,7 @@ def _chunk_verified(
     """Whether one call over ``size`` rows gives each row its block's bits: checked once per
     (call, device, dtype, row length, size) on seeded random rows (a kernel's reduction order
     does not depend on the values; random rows make two orders disagree)."""
-    full = (*key, str(like.device), like.dtype, like.shape[1], size)
+    full = (*key, like.device, like.dtype, like.shape[1], size)
     ok = _verified.get(full)
     if ok is not None:
         return ok

@@ -299,8 +299,13 @@ async def _watch_ready(rt: Runtime, health: Any) -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio switches Nagle's algorithm off (TCP_NODELAY) only on
+    # connections whose socket says TCP, and uvicorn writes a response's head and body in two
+    # sends: with Nagle on, the body waits for the client's delayed ACK of the head (40 ms on
+    # Linux) on every keep-alive request. Set on the listener too (accepted sockets inherit it).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)

@@ -591,6 +591,9 @@ class Client:
     """The blocking client: the same methods as ``AsyncClient``, same arguments, same results.
 
     ``with Client("grpc://localhost:50051") as c: r = c.logprobs(ids, policy_version=7)``
+
+    Thread-safe: every call runs on the client's own event loop thread, so one ``Client`` may
+    serve all the threads of a process at once (their calls share its connections).
     """
 
     def __init__(

@@ -112,6 +112,42 @@ def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: st
     assert not failures, failures[:5]
 
 
+def test_one_client_shared_by_many_threads(served: Served, transport: str) -> None:
+    """One blocking ``Client`` called from 16 threads at once (a rollout worker's thread pool):
+    every answer bitwise the reference for its own sequence, none crossed with another's."""
+    n_threads, per_thread = 16, 3
+    failures: list[str] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n_threads)
+    with Client(served.url(transport)) as c:
+
+        def worker(k: int) -> None:
+            rng = random.Random(2000 + k)
+            cases = [_random_case(rng, 384) for _ in range(per_thread)]
+            try:
+                barrier.wait(timeout=30)
+                for seq, versions, sp in cases:
+                    r = c.logprobs_batch(
+                        [seq], temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p
+                    )[0]
+                    ref = _reference(served, seq, versions, sp)
+                    if r.logprobs.shape != ref.shape or not np.array_equal(
+                        r.logprobs, ref, equal_nan=True
+                    ):
+                        failures.append(f"thread {k}: {r.logprobs.shape} vs {ref.shape}")
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+            assert not t.is_alive(), "a worker thread did not finish in time"
+    assert not errors, errors[:3]
+    assert not failures, failures[:5]
+
+
 def test_batch_of_sequences_and_cache(served: Served, transport: str) -> None:
     rng = random.Random(7)
     cases = [_random_case(rng, 384) for _ in range(12)]

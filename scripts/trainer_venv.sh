@@ -35,7 +35,7 @@ pip=("$VENV/bin/python" -m pip install -q -c constraints.txt)
 # verl.workers.rollout.utils), which only its `verl-core` extra lists.
 "${pip[@]}" "transformers==$TRANSFORMERS_VERSION" "verl==$VERL_VERSION" fastapi uvicorn
 # oldlogit itself (editable) with its client dependencies only (numpy, pydantic, httpx, grpcio,
-# protobuf, msgpack): no extra, so nothing here can move transformers or torch.
+# protobuf, msgpack, sniffio): no extra, so nothing here can move transformers or torch.
 "${pip[@]}" -e . "pytest>=8"
 "$VENV/bin/python" -m pip check || true
 "$VENV/bin/python" - <<EOF

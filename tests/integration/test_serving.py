@@ -275,3 +275,36 @@ def test_http_keep_alive_requests_are_not_held_by_nagle(served: Served) -> None:
                 h.request(method, path, **kw).raise_for_status()
                 took.append(time.perf_counter() - start)
             assert statistics.median(took) < 0.02, (path, [round(t * 1e3, 1) for t in took])
+
+
+def test_client_requests_import_nothing(served: Served, transport: str) -> None:
+    """A request through the client imports no module it has not imported before: httpcore
+    imports ``sniffio`` on every async HTTP request (four times), and without it installed each
+    import searched the whole ``sys.path`` again (a dependency of the client for that reason)."""
+    import asyncio
+    import builtins
+    import sys
+
+    from oldlogit import AsyncClient
+
+    missed: list[str] = []
+    real_import = builtins.__import__
+
+    def watching(name: str, *args: object, **kwargs: object) -> object:
+        level = args[3] if len(args) > 3 else kwargs.get("level", 0)
+        if level == 0 and name not in sys.modules:
+            missed.append(name)
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    async def calls() -> None:
+        async with AsyncClient(served.url(transport)) as c:
+            await c.logprobs([1, 2, 3, 4], policy_version=0, use_cache=False)  # imports settle
+            builtins.__import__ = watching
+            try:
+                for _ in range(3):
+                    await c.logprobs([1, 2, 3, 4], policy_version=0, use_cache=False)
+            finally:
+                builtins.__import__ = real_import
+
+    asyncio.run(calls())
+    assert not missed, f"imported on every request: {sorted(set(missed))}"

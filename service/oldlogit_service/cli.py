@@ -156,7 +156,14 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
             "port (probes that cannot speak TLS; default: none)",
         },
     ),
-    ("--max-wait-ms", {"type": float, "help": "batching wait for the first job in a batch"}),
+    (
+        "--max-wait-ms",
+        {
+            "type": float,
+            "help": "batching wait for the first job in a batch (none for a lone job after a "
+            "batch of one)",
+        },
+    ),
     ("--max-batch-tokens", {"type": int}),
     ("--max-queue", {"type": int}),
     ("--max-seq-len", {"type": int}),

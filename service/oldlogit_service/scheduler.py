@@ -178,7 +178,10 @@ def _attempt(fn: Callable[[], T]) -> T | OldLogitError:
 @dataclass
 class BatchPolicy:
     max_batch_tokens: int = 65536  # sum of sequence lengths in one batch (at least one item)
-    max_wait_s: float = 0.002  # how long the first item may wait for company
+    # How long the first item may wait for company — where there is a sign of any: more than
+    # one item queued, or the previous batch held more than one. A lone request after a lone
+    # batch (one client asking in turn, light load) runs at once: nothing shows more will come.
+    max_wait_s: float = 0.002
     # Stay on the resident version to save weight switches, unless another version's oldest
     # item has waited this long: bounds starvation.
     max_switch_delay_s: float = 0.05
@@ -331,6 +334,7 @@ class _State:
     queued_tokens: int = 0
     running: bool = False  # a batch is being executed
     current: WeightsRef | None = None
+    last_batch: int = 0  # items in the batch taken last (0: none yet)
     held: set[WeightsRef] = field(default_factory=set)  # versions the load stage holds resident
     served: set[WeightsRef] = field(default_factory=set)  # held ones a batch has run on since
 
@@ -580,8 +584,11 @@ class Scheduler:
                 now = self._clock()
                 oldest = min(q[0].enqueued_at for q in st.queues.values() if q)
                 waited = now - oldest
-                if waited < self._policy.max_wait_s and st.queued_tokens < (
-                    self._policy.max_batch_tokens
+                lone = st.depth == 1 and st.last_batch <= 1  # no sign of company (BatchPolicy)
+                if (
+                    not lone
+                    and waited < self._policy.max_wait_s
+                    and st.queued_tokens < self._policy.max_batch_tokens
                 ):
                     self._cond.wait(self._policy.max_wait_s - waited)
                     continue
@@ -605,6 +612,7 @@ class Scheduler:
                         continue
                 st.depth -= len(items)
                 st.queued_tokens -= sum(it.ntokens for it in items)
+                st.last_batch = len(items)
                 st.running = True
                 st.current = weights
                 if weights in st.held:

@@ -121,6 +121,48 @@ def test_results_route_back_and_batches_never_mix_versions() -> None:
         sched.close()
 
 
+def test_a_lone_request_runs_without_waiting_for_company() -> None:
+    """One client asking in turn: each request is alone in the queue after a batch of one, so
+    it runs at once instead of waiting the batching window for company."""
+    engine = FakeEngine()
+    sched, _ = make(engine, max_wait_s=2.0)
+    try:
+        for tag in range(3):
+            start = time.monotonic()
+            assert sched.submit(WeightsRef.stored(1), job(tag)).result(10).tolist()[0] == 1000 + tag
+            assert time.monotonic() - start < 1.0  # the window is 2 s
+        assert [tags for _, tags in engine.calls] == [[0], [1], [2]]
+    finally:
+        sched.close()
+
+
+def test_requests_after_a_shared_batch_still_wait_for_company() -> None:
+    """Once a batch held several requests, the next lone one waits the window for the others
+    (which come back with their answers): here a second request 0.2 s later joins its batch."""
+    engine = FakeEngine()
+    sched, _ = make(engine, max_wait_s=1.0)
+    try:
+        engine.gate.clear()
+        first = sched.submit(WeightsRef.stored(1), job(0))  # alone: runs at once, held at the gate
+        assert engine.entered.wait(10)
+        burst = [sched.submit(WeightsRef.stored(1), job(t)) for t in (1, 2, 3)]  # queued meanwhile
+        engine.gate.set()
+        first.result(10)
+        for f in burst:
+            f.result(10)
+        assert [tags for _, tags in engine.calls] == [[0], [1, 2, 3]]
+        start = time.monotonic()
+        late = [sched.submit(WeightsRef.stored(1), job(4))]
+        time.sleep(0.2)
+        late.append(sched.submit(WeightsRef.stored(1), job(5)))
+        for f in late:
+            f.result(10)
+        assert engine.calls[-1][1] == [4, 5]  # one batch: the first waited for company
+        assert time.monotonic() - start >= 0.2
+    finally:
+        sched.close()
+
+
 def test_cancelled_requests_are_dropped() -> None:
     engine = FakeEngine()
     engine.gate.clear()  # hold the first batch so the rest queue up

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -75,56 +77,23 @@ def test_single_sequence_matches_reference(served: Served, transport: str) -> No
     assert r.exact is True
 
 
-def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: str) -> None:
-    """>= 32 concurrent clients, mixed versions and per-token versions, deterministic mode."""
-    n_clients, per_client = 32, 3
-    failures: list[str] = []
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n_clients)
-
-    def worker(k: int) -> None:
-        rng = random.Random(1000 + k)
-        cases = [_random_case(rng, 384) for _ in range(per_client)]
-        try:
-            with Client(served.url(transport)) as c:
-                barrier.wait(timeout=30)
-                for seq, versions, sp in cases:
-                    r = c.logprobs_batch(
-                        [seq], temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p
-                    )[0]
-                    ref = _reference(served, seq, versions, sp)
-                    if not np.array_equal(r.logprobs, ref, equal_nan=True):
-                        diff = np.nanmax(np.abs(r.logprobs - ref))
-                        failures.append(f"client {k}: max diff {diff}")
-                    used = sorted({int(v) for v in versions[1:] if v >= 0})
-                    if r.versions != used:
-                        failures.append(f"client {k}: versions {r.versions} != {used}")
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-        assert not t.is_alive(), "a worker thread did not finish in time"
-    assert not errors, errors[:3]
-    assert not failures, failures[:5]
-
-
-def test_one_client_shared_by_many_threads(served: Served, transport: str) -> None:
-    """One blocking ``Client`` called from 16 threads at once (a rollout worker's thread pool):
-    every answer bitwise the reference for its own sequence, none crossed with another's."""
-    n_threads, per_thread = 16, 3
+def _threads_bitwise(
+    served: Served,
+    n_threads: int,
+    seed: int,
+    client_of: Callable[[], AbstractContextManager[Client]],
+) -> None:
+    """``n_threads`` threads start together, each scoring 3 random cases through the client
+    ``client_of()`` gives it: every answer bitwise its own reference, with its own versions."""
     failures: list[str] = []
     errors: list[BaseException] = []
     barrier = threading.Barrier(n_threads)
-    with Client(served.url(transport)) as c:
 
-        def worker(k: int) -> None:
-            rng = random.Random(2000 + k)
-            cases = [_random_case(rng, 384) for _ in range(per_thread)]
-            try:
+    def worker(k: int) -> None:
+        rng = random.Random(seed + k)
+        cases = [_random_case(rng, 384) for _ in range(3)]
+        try:
+            with client_of() as c:
                 barrier.wait(timeout=30)
                 for seq, versions, sp in cases:
                     r = c.logprobs_batch(
@@ -134,18 +103,33 @@ def test_one_client_shared_by_many_threads(served: Served, transport: str) -> No
                     if r.logprobs.shape != ref.shape or not np.array_equal(
                         r.logprobs, ref, equal_nan=True
                     ):
-                        failures.append(f"thread {k}: {r.logprobs.shape} vs {ref.shape}")
-            except BaseException as exc:
-                errors.append(exc)
+                        failures.append(f"thread {k}: {r.logprobs} vs {ref}")
+                    used = sorted({int(v) for v in versions[1:] if v >= 0})
+                    if r.versions != used:
+                        failures.append(f"thread {k}: versions {r.versions} != {used}")
+        except BaseException as exc:
+            errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=240)
-            assert not t.is_alive(), "a worker thread did not finish in time"
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+        assert not t.is_alive(), "a worker thread did not finish in time"
     assert not errors, errors[:3]
     assert not failures, failures[:5]
+
+
+def test_concurrent_clients_mixed_versions_bitwise(served: Served, transport: str) -> None:
+    """>= 32 concurrent clients, mixed versions and per-token versions, deterministic mode."""
+    _threads_bitwise(served, 32, 1000, lambda: Client(served.url(transport)))
+
+
+def test_one_client_shared_by_many_threads(served: Served, transport: str) -> None:
+    """One blocking ``Client`` called from 16 threads at once (a rollout worker's thread pool):
+    every answer bitwise the reference for its own sequence, none crossed with another's."""
+    with Client(served.url(transport)) as shared:
+        _threads_bitwise(served, 16, 2000, lambda: nullcontext(shared))
 
 
 def test_batch_of_sequences_and_cache(served: Served, transport: str) -> None:

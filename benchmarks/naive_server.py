@@ -73,9 +73,10 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args()
     app = create_app(args.model, args.versions, getattr(torch, args.dtype), args.device)
-    # TCP named (as uvicorn.run(host=..., port=...) gets it from getaddrinfo): asyncio turns
-    # Nagle off only on sockets that say TCP; with it on, every keep-alive response's body
-    # would wait 40 ms for the client's delayed ACK of its head.
+    # TCP named and Nagle off, as uvicorn.run(host=..., port=...) would bind it. uvicorn runs
+    # this server on uvloop, which turns Nagle off on every TCP connection anyway; on asyncio's
+    # own loop a socket that does not say TCP would keep it on, and each keep-alive response's
+    # body would wait 40 ms for the client's delayed ACK of its head.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", args.port))

@@ -9,12 +9,16 @@ contract is tests/integration/test_trainer_parity.py.
 
 from __future__ import annotations
 
+import collections
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 from oldlogit.contract.numerics import NUMERICS_REVISION
@@ -215,6 +219,43 @@ def test_sliding_window_and_softcaps_are_honoured():
         for i, s in enumerate(seqs):
             torch.testing.assert_close(alone[i], plain[i], rtol=0, atol=5e-5, msg=name)
             assert torch.equal(_row(batch, i, len(s), "left"), alone[i]), name
+
+
+class _CallsFrom(TorchFunctionMode):
+    """Counts the torch calls that reach the modes, by the function that made them (past the
+    patch's mode handing a call on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callers: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame.f_code is TileMode.__torch_function__.__code__:
+            frame = frame.f_back
+        code = frame.f_code
+        self.callers[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_sdpa_attention_runs_outside_the_mode_and_the_eager_one_inside():
+    """The attention's SDPA path calls nothing the numerics' mode rules, so it runs with torch
+    functions' Python layer off (a layer's shape reads and views skip the mode's per-call cost);
+    the eager path (soft-capped logits: its tanh is a ruled pointwise op) stays inside. A
+    counting mode under the patch's sees every call that reaches the patch's."""
+    soft = _model("gemma2", torch.float32, seed=4, head_dim=16, attn_logit_softcapping=5.0)
+    plain = _model("qwen2", torch.float32, seed=1)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    inside = ("attention.py:_attention", "attention.py:_segment_attention")
+    seen = {}
+    for name, model in (("qwen2", plain), ("gemma2", soft)):
+        with trainer_numerics(model), torch.no_grad(), _CallsFrom() as calls:
+            token_logprobs(model, ids)
+        seen[name] = {k: n for k, n in calls.callers.items() if k in inside}
+        # the counting mode sees the rest: the modeling code's own calls
+        assert any(k.startswith("modeling_") for k in calls.callers), calls.callers
+    assert seen["qwen2"] == {}, seen["qwen2"]
+    assert seen["gemma2"].get("attention.py:_segment_attention", 0) > 0, seen["gemma2"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

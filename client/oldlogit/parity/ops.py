@@ -386,8 +386,8 @@ def _cpu_float(args: tuple[Any, ...]) -> bool:
     x = args[0] if args else None
     return (
         isinstance(x, Tensor)
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.is_floating_point()
         and x.numel() > 0
-        and not any(isinstance(a, Tensor) and a.numel() > 1 for a in args[1:])
+        and (len(args) == 1 or not any(isinstance(a, Tensor) and a.numel() > 1 for a in args[1:]))
     )

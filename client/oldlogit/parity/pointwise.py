@@ -44,6 +44,10 @@ def blockwise(func: Callable[..., Any], x: Tensor, *rest: Any, **kwargs: Any) ->
     call writes the result back into x."""
     inplace = bool(kwargs.pop("inplace", False))
     n = x.numel()
+    if not inplace and n <= POINTWISE_BLOCK and n % _ALIGN == 0 and x.is_contiguous():
+        # One block already, in memory order: torch's loop sees it as the flat block it is.
+        out_: Tensor = func(x, *rest, **kwargs)
+        return out_
     flat = x.reshape(-1)
     if n % _ALIGN == 0 and (
         n <= POINTWISE_BLOCK or _one_call_verified(func, flat, n, rest, kwargs)

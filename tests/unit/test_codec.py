@@ -210,3 +210,43 @@ def test_patch_file_table_is_checked(tmp_path: Path) -> None:
         assert info.value.parameter == "weights"
     with pytest.raises(InvalidRequest, match=r"count|positions for"):
         parse(write({"w::val": ("BF16", vals), "w::idx": ("U8", idx[:1])}))
+
+
+def test_a_keyframe_header_is_parsed_once_per_file(tmp_path: Path, monkeypatch) -> None:
+    """Rebuilds re-read the same keyframes: the header is parsed on a file's first read; a
+    file replaced under the same name (a new file) is parsed again, and a file whose header is
+    broken is refused as before."""
+    parsed: list[str] = []
+    real = persist.read_safetensors_header
+
+    def counting(path: Any) -> Any:
+        parsed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(persist, "read_safetensors_header", counting)
+
+    def write(path: Path, values: np.ndarray) -> None:
+        tmp = path.with_suffix(".tmp")
+        source = persist.TensorSource(
+            "w", "F32", (values.size,), functools.partial(lambda a: [a.view(np.uint8).data], values)
+        )
+        persist.write_keyframe(tmp, {"w": source}, {"format": "pt"})
+        tmp.replace(path)
+
+    path = tmp_path / "k.safetensors"
+    write(path, np.arange(6, dtype=np.float32))
+    for _ in range(3):
+        buf, header = persist.read_keyframe(path, pin=False, expect_sha256=None)
+        assert np.array_equal(buf.numpy().view(np.float32), np.arange(6, dtype=np.float32))
+    assert parsed == ["k.safetensors"]
+    write(path, np.arange(10, dtype=np.float32) * 2)  # a new file, the same name
+    buf, header = persist.read_keyframe(path, pin=False, expect_sha256=None)
+    assert header.tensors["w"].shape == (10,)
+    assert np.array_equal(buf.numpy().view(np.float32), np.arange(10, dtype=np.float32) * 2)
+    assert parsed == ["k.safetensors"] * 2
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(persist.CorruptSnapshot, match=r"broken\.safetensors"):
+        persist.read_keyframe(broken, pin=False, expect_sha256=None)
+    with pytest.raises(persist.CorruptSnapshot, match="missing"):
+        persist.read_keyframe(tmp_path / "gone.safetensors", pin=False, expect_sha256=None)

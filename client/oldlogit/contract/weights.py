@@ -8,6 +8,7 @@ tensor and never concatenated, and headers are read without touching the data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -295,8 +296,8 @@ class SafetensorsHeader:
     metadata: Mapping[str, str]
     file_size: int
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # the tensor table never changes: summed once
         return sum(e.nbytes for e in self.tensors.values())
 
 

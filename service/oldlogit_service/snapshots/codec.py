@@ -14,6 +14,7 @@ is held decoded (int64 positions + values), so a rebuild is copy + scatter only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,8 +70,8 @@ class TensorPatch:
     def count(self) -> int:
         return int(self.values.shape[0])
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked per eviction candidate, per load: computed once
         return int(self.values.nbytes) + (0 if self.positions is None else self.positions.nbytes)
 
 
@@ -80,9 +81,10 @@ class Patch:
 
     tensors: Mapping[str, TensorPatch]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes held in memory (decoded): what a memory tier counts."""
+        """Bytes held in memory (decoded): what a memory tier counts (computed once: the
+        eviction policy asks it of every held patch at every load)."""
         return sum(t.nbytes for t in self.tensors.values())
 
     @property

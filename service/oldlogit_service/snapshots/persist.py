@@ -16,12 +16,14 @@ nothing of tiers, budgets or locks; callers order the steps (file first, registr
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import errno
 import fcntl
 import json
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -357,6 +359,37 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+# Parsed keyframe headers by file identity (device, inode, size, mtime): a keyframe file is
+# written once under a fresh name and never changed, and a rebuild re-reads the same few; the
+# header (JSON of every tensor, checked) is parsed on its first read, not on every load.
+_HEADERS: collections.OrderedDict[tuple[int, int, int, int], SafetensorsHeader] = (
+    collections.OrderedDict()
+)
+_HEADERS_KEPT = 256
+_headers_lock = threading.Lock()
+
+
+def _header_of(path: Path, fd: int, version: int | None) -> SafetensorsHeader:
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _headers_lock:
+        header = _HEADERS.get(key)
+        if header is not None:
+            _HEADERS.move_to_end(key)
+            return header
+    try:
+        header = read_safetensors_header(path)
+    except Exception as exc:  # InvalidRequest for malformed files: here it means corruption
+        raise CorruptSnapshot(f"{path.name}: {exc}", version) from exc
+    if header.file_size != st.st_size:  # replaced between the open and the parse
+        raise CorruptSnapshot(f"{path.name} changed while it was read", version)
+    with _headers_lock:
+        _HEADERS[key] = header
+        while len(_HEADERS) > _HEADERS_KEPT:
+            _HEADERS.popitem(last=False)
+    return header
+
+
 def read_keyframe(
     path: Path, *, pin: bool, expect_sha256: str | None, version: int | None = None
 ) -> tuple[torch.Tensor, SafetensorsHeader]:
@@ -366,13 +399,10 @@ def read_keyframe(
     a mismatch raises ``CorruptSnapshot``, as does a missing or malformed file.
     """
     try:
-        header = read_safetensors_header(path)
-    except Exception as exc:  # InvalidRequest for malformed files: here it means corruption
-        raise CorruptSnapshot(f"{path.name}: {exc}", version) from exc
-    buf = buffers.alloc_buffer(header.nbytes, pin=pin)  # [nbytes]
-    view = buf.numpy().data.cast("B")
-    try:
         with open(path, "rb", buffering=0) as f:
+            header = _header_of(path, f.fileno(), version)
+            buf = buffers.alloc_buffer(header.nbytes, pin=pin)  # [nbytes]
+            view = buf.numpy().data.cast("B")
             f.seek(header.data_start)
             pos = 0
             while pos < header.nbytes:

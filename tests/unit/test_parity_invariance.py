@@ -31,6 +31,7 @@ from oldlogit.parity import (
     token_logprobs,
     trainer_numerics,
 )
+from oldlogit.parity import attention as attention_module
 from oldlogit.parity.attention import (
     ATTENTION_NAME,
     InvariantNumericsError,
@@ -742,6 +743,25 @@ def test_segment_plans():
     # A sequence whose positions do not start at 0 continues one begun outside this batch.
     segs, _ = plan_segments(1, 6, None, torch.tensor([[7, 8, 9, 0, 1, 2]]))
     assert segs.rows == ((0, 0, 3), (0, 3, 6)) and segs.continued == ((0, 0, 7),)
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.long, torch.bool, torch.float32])
+def test_a_batch_of_whole_rows_plans_as_the_general_path_does(mask_dtype, monkeypatch):
+    """No mask or a mask of ones (the common call) takes a short path: the same segments and
+    positions as the general one, which a mask with a zero still takes."""
+    for batch, length in ((1, 1), (1, 128), (3, 7)):
+        ones = None if mask_dtype is None else torch.ones(batch, length, dtype=mask_dtype)
+        short = plan_segments(batch, length, ones, None)
+        with monkeypatch.context() as m:
+            m.setattr(attention_module, "_all_real", lambda *_: False)
+            general = plan_segments(batch, length, ones, None)
+        assert short[0] == general[0] and short[0].rows == tuple(
+            (b, 0, length) for b in range(batch)
+        )
+        assert torch.equal(short[1], general[1]) and short[1].dtype == torch.int64
+        assert short[1].is_contiguous()
+    segs, pos = plan_segments(2, 4, torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]), None)
+    assert segs.rows == ((0, 0, 4), (1, 1, 4)) and pos.tolist() == [[0, 1, 2, 3], [0, 0, 1, 2]]
 
 
 def test_a_slice_of_a_sequence_is_refused_and_whole_sequences_hold():

@@ -274,6 +274,17 @@ def block_mask_ids(mask: Tensor, batch: int, length: int) -> Tensor:
     return ids
 
 
+def _all_real(attention_mask: Tensor | None, batch: int, length: int) -> bool:
+    """No mask, or a [batch, length] padding mask that is all ones."""
+    if attention_mask is None:
+        return True
+    return (
+        attention_mask.dim() == 2
+        and tuple(attention_mask.shape) == (batch, length)
+        and bool((attention_mask == 1).all())
+    )
+
+
 def plan_segments(
     batch: int,
     length: int,
@@ -294,6 +305,12 @@ def plan_segments(
         if attention_mask is not None
         else (position_ids.device if position_ids is not None else torch.device("cpu"))
     )
+    if position_ids is None and length > 0 and _all_real(attention_mask, batch, length):
+        # The common call: every row one whole sequence (no mask, or a mask of ones): what the
+        # general path below computes, without its ~20 tensor ops.
+        whole = tuple((b, 0, length) for b in range(batch))
+        positions = torch.arange(length, dtype=torch.int64).expand(batch, length).contiguous()
+        return Segments(rows=whole, batch=batch, length=length), positions.to(device)
     if attention_mask is not None and attention_mask.dim() in (3, 4):
         attention_mask = block_mask_ids(attention_mask, batch, length)
         if position_ids is None:

@@ -359,13 +359,15 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-# Parsed keyframe headers by file identity (device, inode, size, mtime): a keyframe file is
-# written once under a fresh name and never changed, and a rebuild re-reads the same few; the
-# header (JSON of every tensor, checked) is parsed on its first read, not on every load.
+# Parsed headers of the files ``read_keyframe`` reads (keyframes and patch files), by file
+# identity (device, inode, size, mtime): such a file is written once under a fresh name and
+# never changed, and rebuilds re-read the same few; the header (JSON of every tensor, checked)
+# is parsed on a file's first read, not on every load. The most recently read 64 are kept (a
+# header of a model with a thousand tensors holds ~0.25 MB of entries).
 _HEADERS: collections.OrderedDict[tuple[int, int, int, int], SafetensorsHeader] = (
     collections.OrderedDict()
 )
-_HEADERS_KEPT = 256
+_HEADERS_KEPT = 64
 _headers_lock = threading.Lock()
 
 

@@ -363,7 +363,7 @@ def fsync_file(path: Path) -> None:
 # identity (device, inode, size, mtime): such a file is written once under a fresh name and
 # never changed, and rebuilds re-read the same few; the header (JSON of every tensor, checked)
 # is parsed on a file's first read, not on every load. The most recently read 64 are kept (a
-# header of a model with a thousand tensors holds ~0.25 MB of entries).
+# header of a thousand tensors holds 0.42 MB, measured with tracemalloc).
 _HEADERS: collections.OrderedDict[tuple[int, int, int, int], SafetensorsHeader] = (
     collections.OrderedDict()
 )

@@ -14,6 +14,8 @@ sliding window is narrower than L; the eager formula (as HF writes it for Gemma 
 attention logits are soft-capped or dropout is on. On CPU, sequences of equal length share one
 SDPA call (each batch element gets the bits it gets alone — measured and checked at start-up);
 on a GPU every call gets fresh contiguous operands (``_gpu_operand``) and never cuDNN's kernel.
+The SDPA path runs with torch functions' Python layer off (the numerics' mode has no rule for
+anything it calls); the eager path runs inside the mode (its ``tanh`` and softmax are ruled).
 """
 
 from __future__ import annotations

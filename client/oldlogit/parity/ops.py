@@ -1,7 +1,8 @@
 """Op-level rules of the invariant numerics: what each torch call becomes under the patch.
 
-In: every torch function call a patched model makes (a ``TorchFunctionMode``). Out: the same
-call made batch-invariant, or refused:
+In: every torch function call a patched model makes (a ``TorchFunctionMode``) — but those of
+the invariant attention's SDPA path, which calls nothing ruled and runs outside the mode
+(``attention.invariant_attention``). Out: the same call made batch-invariant, or refused:
 - ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``), the head optionally in
   float32; under ``tp_chunks`` through the tensor-parallel definition
   (``tensor_parallel.linear``: DTensor weights over their mesh, plain ones over the ranks of

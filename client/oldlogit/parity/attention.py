@@ -15,7 +15,8 @@ attention logits are soft-capped or dropout is on. On CPU, sequences of equal le
 SDPA call (each batch element gets the bits it gets alone — measured and checked at start-up);
 on a GPU every call gets fresh contiguous operands (``_gpu_operand``) and never cuDNN's kernel.
 The SDPA path runs with torch functions' Python layer off (the numerics' mode has no rule for
-anything it calls); the eager path runs inside the mode (its ``tanh`` and softmax are ruled).
+anything it calls); the eager path runs inside the mode (its ``tanh`` is ruled on CPU, its
+softmax on a GPU).
 """
 
 from __future__ import annotations

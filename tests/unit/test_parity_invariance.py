@@ -260,6 +260,56 @@ def test_the_sdpa_attention_runs_outside_the_mode_and_the_eager_one_inside():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_heads_read_in_place_give_the_expanded_copies_bits(dtype, monkeypatch):
+    """On CPU with no graph recorded, grouped-query attention hands SDPA the key/value heads as
+    they are (``enable_gqa``) where that was checked to give the bits of the expanded copies
+    the definition names; here, against those copies, at head groups of 2, 4 and 7, one to
+    three sequences, lengths 1–300, causal and under a narrower sliding window, at 1 and 2
+    threads; and not while autograd records (the copies' backward stays the trainer's)."""
+    gen = torch.Generator().manual_seed(5)
+    taken = []
+    real = attention_module._gqa_in_kernel
+    monkeypatch.setattr(
+        attention_module,
+        "_gqa_in_kernel",
+        lambda *a: taken.append(real(*a)) or taken[-1],
+    )
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for heads, kv_heads, dim in ((4, 2, 16), (8, 2, 32), (7, 1, 64)):
+                for n, length in ((1, 1), (3, 37), (2, 130), (1, 300)):
+                    q, k, v = (
+                        torch.randn(n, h, length, dim, generator=gen).to(dtype)
+                        for h in (heads, kv_heads, kv_heads)
+                    )
+                    rep = heads // kv_heads
+                    k_copy, v_copy = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+                    for window in (None, 16):
+                        params = {
+                            "scaling": dim**-0.5,
+                            "sliding_window": window,
+                            "softcap": None,
+                            "dropout": 0.0,
+                        }
+                        with torch.no_grad():
+                            got = attention_module._segment_attention(q, k, v, **params)
+                            want = attention_module._segment_attention(
+                                q, k_copy, v_copy, **params
+                            )  # as many key heads as query heads: nothing to group
+                        assert torch.equal(got, want), (n_threads, heads, kv_heads, n, length)
+    finally:
+        torch.set_num_threads(threads)
+    assert taken and all(taken), taken  # the in-place path ran: this torch's kernel agrees
+    q = torch.randn(1, 4, 9, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    assert not real(q, k, v, False)  # a graph is recorded: the copies
+    with torch.no_grad():
+        assert real(q, k, v, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_matches_the_plain_model(dtype):
     rng = np.random.default_rng(11)
     seqs = _sequences(rng, 4, 5, 60)

@@ -146,7 +146,7 @@ def tiled_mm(
 
     if rows <= step and chunk_verified(weight, bias, tile_rows, rows):
         # The common short input: one GEMM, no output to assemble (per-call cost counts here).
-        a = rows_of(0, rows)
+        a = x if rows == m else rows_of(0, rows)
         if out is not None and rows == m:
             return _gemm(a, w_t, bias, out)
         y = torch.mm(a, w_t) if bias is None else torch.addmm(bias, a, w_t)
@@ -226,6 +226,6 @@ def tiled_linear(
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):  # no graph to record: the same forward without autograd.Function's per-call cost
         y = tiled_mm(x.reshape(-1, x.shape[-1]), weight, tile_rows, bias)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y.view(*x.shape[:-1], weight.shape[0])  # y is a fresh [M, N]
     out: Tensor = _TiledLinear.apply(x, weight, bias, tile_rows)  # type: ignore[no-untyped-call]
     return out

@@ -59,7 +59,7 @@ from oldlogit.contract.numerics import (
     config_fields,
 )
 
-from . import attention, routing, tensor_parallel
+from . import attention, regions, routing, tensor_parallel
 from .attention import (
     ATTENTION_NAME,
     SEGMENTS_KWARG,
@@ -704,6 +704,9 @@ def patch_numerics(
         if type(module).__name__ == "CheckpointWrapper":
             patch._checkpointed.append((module, f"{name}.", "checkpoint_fn"))
     patch._restore.append(patch.unwrap_checkpointing)
+    # Known modeling code (the Llama family's RMSNorm and rotary embedding) runs outside the
+    # mode with its bits (``regions``).
+    patch._restore.append(regions.install(core, _set_forward))
     # MoE blocks say which layer routes, for a replayed or recorded routing (``routing``).
     patch.moe = routing.moe_layout(core)
     patch._restore.append(routing.install(patch.moe))

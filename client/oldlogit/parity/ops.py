@@ -46,6 +46,7 @@ from .tiles import tiled_linear
 
 __all__ = [
     "POINTWISE_BLOCK",
+    "RULED_ANYWHERE",
     "ActiveDropout",
     "RandomForward",
     "TileMode",
@@ -239,6 +240,18 @@ def _topk_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, i
     return bound["input"], int(bound["k"]), dim, bool(bound.get("largest", True))
 
 
+# Every function a rule of ``TileMode`` may apply to, whatever its settings.
+RULED_ANYWHERE: frozenset[Callable[..., Any]] = (
+    frozenset({F.linear})
+    | _TOPKS
+    | _POINTWISE
+    | _MATMULS
+    | _RANDOM
+    | set(_DROPOUTS)
+    | set(REDUCTIONS)
+)
+
+
 class TileMode(TorchFunctionMode):
     """The rules of the module docstring. ``tile_rows=None`` (the plain profile) changes
     nothing but the head's dtype when ``fp32`` asks for it; ``gpu=False`` (a model on CPU)
@@ -272,6 +285,14 @@ class TileMode(TorchFunctionMode):
         )
         if tile_rows is not None and gpu:  # a CPU model's reductions pass straight through
             self._ruled = self._ruled | set(REDUCTIONS)
+
+    def call(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``func(*args, **kwargs)`` as this mode runs it when the call reaches it: through its
+        rule where one applies, as it is otherwise (``regions``: known code that runs outside
+        the mode hands its ruled calls here)."""
+        if func in self._ruled:
+            return self.__torch_function__(func, (Tensor,), args, kwargs)
+        return func(*args, **kwargs)
 
     def __torch_function__(
         self,

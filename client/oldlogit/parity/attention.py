@@ -588,7 +588,8 @@ def _gqa_in_kernel(q: Tensor, k: Tensor, v: Tensor, windowed: bool) -> bool:
     and dims, window, thread count) on seeded random inputs before it is relied on. Only where
     no autograd graph is recorded: the copies' backward sums a group's key gradients in its
     own order, which stays the trainer's. Saves two allocations and copies of the keys and
-    values a layer (measured: 10 ms of a 167 ms fp32 16 × 128 forward on 2 cores)."""
+    values a layer (measured paired on 2 cores, fp32: 0.12 ms of a 13 ms 1 × 128 forward,
+    1.9 ms of a 182 ms 4 × 512 one)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     threads = torch.get_num_threads()

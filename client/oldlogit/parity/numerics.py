@@ -23,9 +23,10 @@ built from the config at that dtype holds (``skeleton.reference_buffers``: what 
 runs; a ``model.to(torch.bfloat16)`` had cast them), and a weight held in another dtype than
 that model holds it (a tensor transformers keeps in float32, cast by a module cast) is cast to
 it for the forward, as the service holds it once published. A module whose forward is neither
-transformers' nor torch's (liger-kernel, PEFT, a hand-written forward) is refused by name in
-strict mode. Under ``torch.compile`` the patched forward runs eagerly (compiled code fuses ops
-and would change bits). MoE routing can be replayed (``routing``: given experts per token,
+transformers' nor torch's (liger-kernel, PEFT other than the LoRA layers ``lora_trainer``
+vouches for, a hand-written forward) is refused by name in strict mode. Under
+``torch.compile`` the patched forward runs eagerly (compiled code fuses ops and would change
+bits). MoE routing can be replayed (``routing``: given experts per token,
 the combine weights from the version's own router) and recorded. On exit (``restore``) the
 model is exactly as before.
 """
@@ -59,7 +60,7 @@ from oldlogit.contract.numerics import (
     config_fields,
 )
 
-from . import attention, regions, routing, tensor_parallel
+from . import attention, lora_trainer, regions, routing, tensor_parallel
 from .attention import (
     ATTENTION_NAME,
     SEGMENTS_KWARG,
@@ -115,11 +116,15 @@ _WRAPPERS = frozenset(
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The HF model inside DDP/FSDP1/DeepSpeed-style wrappers (``.module``) and
-    ``torch.compile``."""
+    """The HF model inside DDP/FSDP1/DeepSpeed-style wrappers (``.module``), ``torch.compile``
+    and PEFT's ``PeftModel`` / ``LoraModel`` (``.base_model``, ``.model``)."""
     seen = 0
     while seen < 8:
         seen += 1
+        peft_inner = _peft_inner(model)
+        if peft_inner is not None:
+            model = peft_inner
+            continue
         compiled = getattr(model, "_orig_mod", None)
         wrapped = getattr(model, "module", None)
         if isinstance(compiled, nn.Module):
@@ -131,6 +136,17 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         else:
             break
     return model
+
+
+def _peft_inner(model: nn.Module) -> nn.Module | None:
+    """The model a PEFT ``PeftModel`` (its ``base_model``) or tuner (``model``) wraps."""
+    if not any(c.__name__ in ("PeftModel", "BaseTuner") for c in type(model).__mro__):
+        return None
+    for attr in ("base_model", "model"):
+        inner = model.__dict__.get("_modules", {}).get(attr)
+        if isinstance(inner, nn.Module):
+            return inner
+    return None
 
 
 _mode_depth = threading.local()
@@ -373,7 +389,9 @@ class NumericsPatch:
 def _weights_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """What a version's weights hold of ``module``: its parameters and persistent buffers
     (DeepSeek-V3's routing bias), by name."""
-    yield from module.named_parameters()
+    for name, param in module.named_parameters():
+        if not lora_trainer.adapter_tensor(name):  # a LoRA adapter's: computes in its own dtype
+            yield name, param
     for prefix, sub in module.named_modules():
         for name, buf in sub._buffers.items():
             if buf is not None and name not in sub._non_persistent_buffers_set:
@@ -595,8 +613,7 @@ def patch_numerics(
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
     tensor_parallel.refuse_transformers_tp(core)  # silently other bits, strict or not
-    if strict:
-        _refuse_foreign_code(core)
+    vouched = _refuse_foreign_code(core, model) if strict else set()
     if _compiled(model) or _compiled(core):
         logger.warning(
             "torch.compile: under trainer_numerics the model's forward runs eagerly (compiled "
@@ -707,6 +724,8 @@ def patch_numerics(
     # Known modeling code (the Llama family's RMSNorm and rotary embedding) runs outside the
     # mode with its bits (``regions``).
     patch._restore.append(regions.install(core, _set_forward))
+    # PEFT LoRA layers vouched for re-check at each call what can change after the patch.
+    lora_trainer.install(core, vouched, _set_forward)
     # MoE blocks say which layer routes, for a replayed or recorded routing (``routing``).
     patch.moe = routing.moe_layout(core)
     patch._restore.append(routing.install(patch.moe))
@@ -867,10 +886,15 @@ def _compiled(module: nn.Module) -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
-def _refuse_foreign_code(core: nn.Module) -> None:
-    found = foreign_code(core, set())
+def _refuse_foreign_code(core: nn.Module, model: nn.Module) -> set[str]:
+    """Refuse by name what the strict patch cannot vouch for; returns the PEFT LoRA layers it
+    vouches for (``lora_trainer``)."""
+    lora_trainer.check_wrapper(model)
+    vouched = lora_trainer.check_model(core)
+    mine = {clean_name(n) for n in vouched}
+    found = [(n, fn) for n, fn in foreign_code(core, set()) if n not in mine]
     if not found:
-        return
+        return vouched
     where = ", ".join(f"{name} runs {fn}" for name, fn in found[:4])
     more = f" and {len(found) - 4} more" if len(found) > 4 else ""
     origins = {fn.split(".")[0] for _, fn in found}
@@ -882,8 +906,9 @@ def _refuse_foreign_code(core: nn.Module) -> None:
         )
     elif "peft" in origins:
         fix = (
-            "a PEFT adapter computes W·x + B·A·x, the service the published (merged) weights: "
-            "publish and score merged weights (model.merge_and_unload())"
+            "oldlogit vouches for PEFT's LoRA Linear layers only (docs/exactness.md, LoRA "
+            "adapters): use LoRA on nn.Linear, or publish and score merged weights "
+            "(model.merge_and_unload())"
         )
     else:
         fix = (

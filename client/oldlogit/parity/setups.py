@@ -32,8 +32,14 @@ __all__ = [
 ]
 
 # Path segments wrappers add to parameter and buffer names (FSDP1, activation checkpointing,
-# torch.compile); dropped when a trainer's name is matched with the skeleton's.
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# torch.compile, a PEFT LoRA layer's base); dropped when a trainer's name is matched with the
+# skeleton's.
+_WRAPPER_SEGMENTS = (
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+    "_orig_mod.",
+    "base_layer.",
+)
 # Where the forward of a module must come from for the strict patch to vouch for it.
 _TRUSTED = ("transformers.", "torch.", "oldlogit.")
 

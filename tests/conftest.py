@@ -10,11 +10,19 @@ torch is imported lazily so torch-free client tests stay torch-free. Never mutat
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Without an NVIDIA driver, Triton kernels (client/oldlogit/parity/kernels/cuda/) run under its
+# CPU interpreter; it is read when a kernel is defined, so before any kernel module is imported.
+# Checked without torch (a device node or nvidia-smi) so torch-free client tests stay torch-free.
+if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _FOLDER_MARKERS = ("unit", "integration", "e2e")
 

@@ -15,8 +15,11 @@ attention logits are soft-capped or dropout is on. Grouped-query key/value heads
 to one per query head (HF's ``repeat_kv``); on CPU with no autograd graph recorded, SDPA reads
 them in place instead (``enable_gqa``), where that was checked to give the same bits
 (``_gqa_in_kernel``). On CPU, sequences of equal length share one
-SDPA call (each batch element gets the bits it gets alone — measured and checked at start-up);
-on a GPU every call gets fresh contiguous operands (``_gpu_operand``) and never cuDNN's kernel.
+SDPA call (each batch element gets the bits it gets alone — measured and checked at start-up).
+On CUDA a layer is one varlen call over all sequences' token-major rows, each over its own keys
+(FlashAttention-2 in fp16/bf16, the memory-efficient kernel in fp32; no KV split), where
+``kernels/cuda/varlen_attention.choose_route`` takes it; elsewhere one call per sequence on
+fresh contiguous operands (``_gpu_operand``), never cuDNN's kernel.
 The SDPA path runs with torch functions' Python layer off (the numerics' mode has no rule for
 anything it calls); the eager path runs inside the mode (its ``tanh`` is ruled on CPU, its
 softmax on a GPU).
@@ -25,6 +28,8 @@ softmax on a GPU).
 from __future__ import annotations
 
 import contextvars
+import functools
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -37,6 +42,21 @@ from torch import Tensor, nn
 
 from oldlogit.contract.numerics import NumericsMismatch
 
+from .kernels.cuda.varlen_attention import (
+    EFFICIENT,
+    FLASH,
+    OpSupport,
+    Route,
+    VarlenCall,
+    VarlenPlan,
+    choose_route,
+    efficient_varlen,
+    flash_varlen,
+    op_support,
+    pack_rows,
+    unpack_rows,
+    varlen_plan,
+)
 from .pointwise import seeded_randn
 
 __all__ = [
@@ -48,8 +68,10 @@ __all__ = [
     "plan_for",
     "plan_segments",
     "planned",
+    "recording_routes",
     "recording_windows",
     "register",
+    "route_name",
 ]
 
 ATTENTION_NAME = "oldlogit_invariant"
@@ -152,6 +174,7 @@ class Segments:
         default_factory=dict, compare=False, repr=False
     )
     _bounds_checked: set[int] = field(default_factory=set, compare=False, repr=False)
+    _varlen: dict[str, VarlenPlan] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def longest(self) -> int:
@@ -202,6 +225,14 @@ class Segments:
                 None if identity else index,
             )
         return self._plans[key]
+
+    def varlen(self, device: torch.device) -> VarlenPlan:
+        """The sequences as token-major rows and int32 cumulative lengths on ``device``, for
+        one varlen kernel call per layer (computed once per forward)."""
+        key = str(device)
+        if key not in self._varlen:
+            self._varlen[key] = varlen_plan(self.rows, self.batch, self.length, device)
+        return self._varlen[key]
 
     def groups(self, share: bool, device: torch.device) -> list[tuple[int, int, Tensor]]:
         """(count n, length L, token index [n * L] into the flattened [B * T] rows) per kernel
@@ -709,6 +740,17 @@ def _attention(
         "softcap": float(softcap) if softcap is not None else None,
         "dropout": p,
     }
+    routes = _routes_seen.get()
+    if query.device.type == "cuda" or routes is not None:  # (CPU: no per-call route to pick)
+        route = layer_route(query.device, query.dtype, params, head_dim, v_dim)
+        layer = getattr(module, "layer_idx", None)
+        if routes is not None and isinstance(layer, int):
+            routes[layer] = route_name(route)
+        if route.varlen:  # CUDA: one call over every sequence's rows, each over its own keys
+            with _attending():
+                call = _varlen_call(route, params, op_support(query.device.index))
+                plan = segments.varlen(query.device)
+                return _varlen_attention(query, key, value, plan, call), None
     # Sequences of one length share a kernel call where that is proven bitwise equal to calling
     # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
     share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
@@ -749,6 +791,87 @@ def _attention(
         rows = rows.new_zeros(batch * length, heads, v_dim).index_copy(0, index, rows)
     out = rows.view(batch, length, heads, v_dim)  # [B, T, H, Dv]
     return out, None
+
+
+def layer_route(
+    device: torch.device, dtype: torch.dtype, params: dict[str, Any], head_dim: int, v_dim: int
+) -> Route:
+    """The kernel an attention call with these settings runs on ``device`` (``choose_route``
+    over what this torch build and GPU offer; CPU: the per-sequence SDPA or eager path)."""
+    return choose_route(
+        device_type=device.type,
+        dtype=dtype,
+        softcap=params["softcap"],
+        dropout=params["dropout"],
+        window=params["sliding_window"],
+        head_dim=head_dim,
+        v_dim=v_dim,
+        support=op_support(device.index) if device.type == "cuda" else _NO_VARLEN,
+    )
+
+
+_NO_VARLEN = OpSupport()
+
+
+_routes_seen: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "oldlogit_routes_seen", default=None
+)
+
+
+@contextmanager
+def recording_routes() -> Iterator[dict[int, str]]:
+    """Layer index → the attention route its calls took in this context (``route_name``: e.g.
+    "oldlogit_invariant/varlen-flash", "oldlogit_invariant/eager"), for a spec to report."""
+    seen: dict[int, str] = {}
+    token = _routes_seen.set(seen)
+    try:
+        yield seen
+    finally:
+        _routes_seen.reset(token)
+
+
+def route_name(route: Route) -> str:
+    """The attention a spec reports for ``route``, e.g. "oldlogit_invariant/varlen-flash"."""
+    return f"{ATTENTION_NAME}/{route.kernel}"
+
+
+def _varlen_call(route: Route, params: dict[str, Any], support: OpSupport) -> VarlenCall:
+    """The one kernel call of ``route`` (FLASH or EFFICIENT) with this layer's settings."""
+    scale, window = float(params["scaling"]), params["sliding_window"]
+    if route.kernel == FLASH:
+        return functools.partial(flash_varlen, scale=scale, window=window, support=support)
+    if route.kernel == EFFICIENT:
+        return functools.partial(efficient_varlen, scale=scale)
+    raise ValueError(f"{route.kernel} is not a varlen route")
+
+
+def _per_sequence_varlen(params: dict[str, Any]) -> VarlenCall:
+    """A varlen call made of per-sequence ``_segment_attention`` calls over the rows each
+    sequence's cumulative lengths mark: what the varlen kernels compute, on any device (the
+    CPU tests' stand-in, proving the packing and unpacking around the kernel)."""
+
+    def call(q: Tensor, k: Tensor, v: Tensor, plan: VarlenPlan) -> Tensor:
+        bounds = [int(x) for x in plan.cu_seqlens.tolist()]
+        parts = []
+        for start, end in itertools.pairwise(bounds):
+            # [1, h, L, D] views of this sequence's rows, as the per-sequence path makes them
+            one = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+            res = _segment_attention(*one, **params)  # [1, H, L, Dv]
+            parts.append(res[0].transpose(0, 1))
+        return torch.cat(parts)
+
+    return call
+
+
+def _varlen_attention(
+    query: Tensor, key: Tensor, value: Tensor, plan: VarlenPlan, call: VarlenCall
+) -> Tensor:
+    """[B, H(kv), T, D] → [B, T, H, Dv] by one ``call`` over the plan's token-major rows."""
+    batch, heads, length = query.shape[:3]
+    if plan.total == 0:  # every token is padding: nothing attends, the rows stay 0
+        return query.new_zeros(batch, length, heads, value.shape[-1])
+    q, k, v = (pack_rows(t, plan) for t in (query, key, value))
+    return unpack_rows(call(q, k, v, plan), plan)
 
 
 _registered = False

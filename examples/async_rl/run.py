@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -27,18 +29,44 @@ from rl_loop import SMOKE, VARIANTS, Config, run_variant
 from rl_plot import plot
 
 
-def summarize(records: list[dict[str, Any]], last: int) -> dict[str, float]:
-    """Means over the last ``last`` steps (the end of training)."""
+def summarize(records: list[dict[str, Any]], last: int) -> dict[str, Any]:
+    """One run's figures, as the README's table reports them: means over the last ``last``
+    steps (the end of training), medians over all steps of the k3 estimates, the first step
+    whose reward reached 0.9 (None: never), the mean clip fraction over all steps, and the
+    number of steps on which each health flag was raised."""
     tail = records[-last:]
 
-    def mean(key: str) -> float:
-        return sum(float(r[key]) for r in tail) / len(tail)
+    def mean(rows: list[dict[str, Any]], key: str) -> float:
+        return sum(float(r[key]) for r in rows) / len(rows)
 
     keys = ["reward", "clipfrac", "disc_k3", "stale_k3", "true_disc_k3", "true_stale_k3"]
-    out = {k: mean(k) for k in keys}
-    out["reward_first"] = sum(float(r["reward"]) for r in records[:last]) / min(last, len(records))
-    out["seconds_per_step"] = mean("seconds")
+    out: dict[str, Any] = {k: mean(tail, k) for k in keys}
+    out["reward_first"] = mean(records[:last], "reward")
+    out["seconds_per_step"] = mean(tail, "seconds")
+    out["first_step_reward_0_9"] = next((r["step"] for r in records if r["reward"] >= 0.9), None)
+    out["clipfrac_mean_all"] = mean(records, "clipfrac")
+    for k in ("disc_k3", "stale_k3", "true_disc_k3", "true_stale_k3"):
+        out[f"{k}_median"] = statistics.median(float(r[k]) for r in records)
+    flags: dict[str, int] = {}
+    for r in records:
+        for f in r["flags"]:
+            flags[f] = flags.get(f, 0) + 1
+    out["flag_steps"] = dict(sorted(flags.items()))
     return out
+
+
+def source_digest() -> str:
+    """sha256 over the example's own sources and the correction toolkit it trains with: the
+    committed results carry it, and a test fails when these change without a new run."""
+    here = Path(__file__).resolve().parent
+    computing = ("rl_loop.py", "rl_policy.py", "rl_task.py", "run.py")  # not the plot/table
+    files = [here / name for name in computing] + sorted(
+        (here.parents[1] / "client" / "oldlogit" / "correction").glob("*.py")
+    )
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "config": dataclasses.asdict(cfg),
         "seconds": time.perf_counter() - t0,
+        "source_sha256": source_digest(),
         "runs": {v: summarize(recs, last) for v, recs in runs.items()},
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -80,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{'run':10s} {'reward first->last':>20s} {'clip':>7s} {'disc k3':>9s} {'stale k3':>9s}"
     )
     for v, s in summary["runs"].items():
-        assert all(math.isfinite(x) for x in s.values()), f"non-finite metric in {v}"
+        floats = [x for x in s.values() if isinstance(x, float)]
+        assert all(math.isfinite(x) for x in floats), f"non-finite metric in {v}"
         print(
             f"{v:10s} {s['reward_first']:9.3f} -> {s['reward']:.3f} {s['clipfrac']:7.3f} "
             f"{s['disc_k3']:9.2e} {s['stale_k3']:9.2e}"

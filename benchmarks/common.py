@@ -89,9 +89,10 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         cmd: list[str] | None = None,
         ports: tuple[str, ...] = ("http", "grpc"),
+        log_level: str = "WARNING",
     ) -> None:
         serve = [sys.executable, "-m", "oldlogit_service.cli", "serve", *args]
-        serve += ["--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"]
+        serve += ["--http-port", "0", "--grpc-port", "0", "--log-level", log_level]
         cmd = cmd or serve
         self.want = ports
         self.proc = subprocess.Popen(

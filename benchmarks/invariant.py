@@ -8,6 +8,10 @@ bf16 at Qwen2.5-0.5B's layer shapes with vocab 32,768, 4 layers; 1 × 128, 16 ×
 
 ``oldlogit bench invariant`` runs this figure alone; the ``parity`` suite includes it.
 ``--device cuda`` runs both forwards on the GPU (each timed call waits for its kernels).
+``--shapes qwen2.5-1.5b`` (benchmarks/shapes.py) runs one bf16 model at Qwen2.5-1.5B's layer
+shapes (8 layers, built in memory on the device) at 1 × 512, 16 × 512 and 4 × 2048, goal
+>= 0.90, and reports whether each result is bitwise batch-invariant there (the batch's first
+and last sequence alone equal their rows in the batch), for the invariant and the plain path.
 """
 
 from __future__ import annotations
@@ -17,12 +21,17 @@ import contextlib
 import functools
 import statistics
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import shapes as named_shapes
 from benchmarks.common import Figure, interleaved
+
+# (label, model, batch × tokens rows, goal, model description): one model of the table.
+Loaded = tuple[str, Any, list[tuple[int, int]], str, str]
 
 # Qwen2.5-0.5B's layer shapes with a 32,768-token vocabulary (invariant-vs-plain's bf16 model).
 BF16_05B_LAYERS = {
@@ -85,21 +94,58 @@ def shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [(1, 128), (16, 128), (4, 512)] if not args.smoke else [(1, 32), (4, 32)]
 
 
-def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
+def _loaded(args: argparse.Namespace, root: Path, device: torch.device) -> Iterator[Loaded]:
+    """(label, model, batch × tokens rows, goal, model description) per model of the table."""
     from transformers import AutoModelForCausalLM
 
+    if named_shapes.name(args) is not None:
+        fields = named_shapes.config(args)
+        model = named_shapes.build(fields, device=device)
+        yield "bf16", model, named_shapes.rows(args), ">= 0.90", named_shapes.describe(fields)
+        del model
+        return
+    for label, model_dir in models(args, root).items():
+        dtype = torch.float32 if label == "fp32" else torch.bfloat16
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        model = model.to(device)
+        described = (
+            f"{label}: hidden {model.config.hidden_size}, 4 layers, "
+            f"vocab {int(model.config.vocab_size)}"
+        )
+        yield label, model, shapes(args), ">= 0.95", described
+        del model  # before the next one loads
+
+
+def batch_invariance(model: Any, ids: torch.Tensor) -> dict[str, bool]:
+    """Whether the batch's first and last sequence, scored alone, equal their rows of the
+    batch bit for bit: under ``trainer_numerics`` (the invariant path) and without (plain)."""
+    from oldlogit.parity import token_logprobs, trainer_numerics
+
+    picked = sorted({0, ids.shape[0] - 1})
+    out: dict[str, bool] = {}
+    with torch.inference_mode():
+        with trainer_numerics(model):
+            full = token_logprobs(model, ids)
+            out["invariant"] = all(
+                torch.equal(full[i : i + 1], token_logprobs(model, ids[i : i + 1])) for i in picked
+            )
+        full = _plain_logprobs(model, ids)
+        out["plain"] = all(
+            torch.equal(full[i : i + 1], _plain_logprobs(model, ids[i : i + 1])) for i in picked
+        )
+    return out
+
+
+def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
     from oldlogit.parity import token_logprobs, trainer_numerics
 
     figures = []
     device = torch.device(getattr(args, "device", "cpu"))
     # Work on a GPU is asynchronous: each timed call ends when its kernels have.
-    settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for label, model_dir in models(args, root).items():
-        dtype = torch.float32 if label == "fp32" else torch.bfloat16
-        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-        model = model.to(device)
+    settle = functools.partial(named_shapes.settle, device)
+    for label, model, rows, goal, described in _loaded(args, root, device):
         vocab = int(model.config.vocab_size)
-        for batch, tokens in shapes(args):
+        for batch, tokens in rows:
             ids = torch.randint(
                 0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0)
             ).to(device)
@@ -120,6 +166,19 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
                 rounds=args.invariant_rounds,
                 reps=args.invariant_reps,
             )
+            detail: dict[str, Any] = {
+                "plain_ms": 1e3 * statistics.median(plain_s),
+                "invariant_ms": 1e3 * statistics.median(inv_s),
+                "ratios": ratios,
+                "model": described,
+                "device": str(device),
+            }
+            if named_shapes.name(args) is not None:
+                detail["shapes"] = named_shapes.name(args)
+                if batch > 1:
+                    detail["batch_invariant"] = batch_invariance(model, ids)
+                if device.type == "cuda":
+                    detail["device_name"] = torch.cuda.get_device_name(device)
             figures.append(
                 Figure(
                     "invariant-vs-plain",
@@ -127,18 +186,13 @@ def figures(args: argparse.Namespace, root: Path) -> list[Figure]:
                     + ("" if device.type == "cpu" else f" on {device.type}"),
                     statistics.median(ratios),
                     "ratio",
-                    ">= 0.95",
-                    {
-                        "plain_ms": 1e3 * statistics.median(plain_s),
-                        "invariant_ms": 1e3 * statistics.median(inv_s),
-                        "ratios": ratios,
-                        "model": f"{label}: hidden {model.config.hidden_size}, 4 layers, "
-                        f"vocab {vocab}",
-                        "device": str(device),
-                    },
+                    goal,
+                    detail,
                 )
             )
         del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return figures
 
 

@@ -10,6 +10,8 @@ patched-step-cost  a patched trainer step (forward + backward) ÷ the plain one:
     bf16 model, TRL's layout (left-padded prompts, right-padded completions,
     ``logits_to_keep``); patched-step-cost-05b: the same at Qwen2.5-0.5B's layer shapes
     (hidden 896, intermediate 4864, 14/2 heads, vocab 151,936, tied head; 4 layers).
+    With ``--shapes qwen2.5-1.5b`` (benchmarks/shapes.py): one row per batch × tokens row of
+    those shapes, forward + backward of the mean token logprob, on ``--device``, goal <= 1.10.
 invariant-vs-plain  (benchmarks/invariant.py; also ``oldlogit bench invariant`` alone).
 trainer-parity-table  a TRL-style bf16 trainer forward (logits ÷ temperature in bf16, then a
     per-row log-softmax, as TRL's ``selective_log_softmax`` does for bf16) against the service,
@@ -19,6 +21,7 @@ trainer-parity-table  a TRL-style bf16 trainer forward (logits ÷ temperature in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -30,7 +33,17 @@ from typing import Any
 import torch
 
 from benchmarks import invariant
-from benchmarks.common import Figure, ServerProcess, concurrent
+from benchmarks import shapes as named_shapes
+from benchmarks.common import Figure, ServerProcess, concurrent, interleaved
+
+# The figures `--parity-only` can pick (default: all of them, in this order).
+PARTS = (
+    "linear-row-invariance",
+    "invariant-vs-plain",
+    "packed-vs-padded",
+    "patched-step-cost",
+    "trainer-parity-table",
+)
 
 
 def _model_dir(root: Path, *, hidden: int, layers: int, vocab: int, dtype: str) -> Path:
@@ -175,8 +188,63 @@ def _trl_batch(vocab: int, batch: int, prompt: int, completion: int, seed: int) 
     return ids, mask
 
 
+def _shaped_step_cost(args: argparse.Namespace) -> list[Figure]:
+    """patched-step-cost at ``--shapes`` on ``--device``: forward + backward of the mean token
+    logprob over a batch × tokens row, patched (``trainer_numerics``) ÷ plain, interleaved
+    rounds (``--parity-reps``), each arm the median of two timed steps after a warm-up."""
+    import functools
+
+    from oldlogit.parity import token_logprobs, trainer_numerics
+
+    device = torch.device(getattr(args, "device", "cpu"))
+    fields = named_shapes.config(args)
+    model = named_shapes.build(fields, device=device)
+    figures = []
+    for batch, tokens in named_shapes.rows(args):
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, int(fields["vocab_size"]), (batch, tokens), generator=gen)
+        ids = ids.to(device)
+
+        def step(ids: torch.Tensor = ids) -> None:
+            model.zero_grad(set_to_none=True)
+            token_logprobs(model, ids).mean().backward()
+            named_shapes.settle(device)
+
+        plain_s, patched_s, speedups = interleaved(
+            (contextlib.nullcontext, step),
+            (functools.partial(trainer_numerics, model), step),
+            rounds=args.parity_reps,
+            reps=2,
+        )
+        ratios = [1 / r for r in speedups]  # patched ÷ plain
+        figures.append(
+            Figure(
+                "patched-step-cost",
+                f"patched trainer forward+backward ÷ plain, bf16 {batch} × {tokens}"
+                + ("" if device.type == "cpu" else f" on {device.type}"),
+                statistics.median(ratios),
+                "ratio",
+                "<= 1.10",
+                {
+                    "plain_ms": 1e3 * statistics.median(plain_s),
+                    "patched_ms": 1e3 * statistics.median(patched_s),
+                    "ratios": ratios,
+                    "model": named_shapes.describe(fields),
+                    "shapes": named_shapes.name(args),
+                    "device": str(device),
+                    "loss": "mean of the token logprobs",
+                },
+            )
+        )
+    model.zero_grad(set_to_none=True)
+    return figures
+
+
 def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
     from oldlogit_service.demo.tiny import make_tiny_model_dir
+
+    if named_shapes.name(args) is not None:
+        return _shaped_step_cost(args)
 
     small = _model_dir(
         root / "step-model", hidden=args.trainer_hidden, layers=4, vocab=8192, dtype="bfloat16"
@@ -345,15 +413,29 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-parity-"))
-    figures = [_linear_row_changes()]
-    figures.extend(invariant.figures(args, root))
-    figures.append(_packed_vs_padded(args, root))
-    figures.extend(_trainer_step_cost(args, root))
-    figures.extend(_parity_table(args, root))
+    parts = set(getattr(args, "parity_only", None) or PARTS)
+    figures = []
+    if "linear-row-invariance" in parts:
+        figures.append(_linear_row_changes())
+    if "invariant-vs-plain" in parts:
+        figures.extend(invariant.figures(args, root))
+    if "packed-vs-padded" in parts:
+        figures.append(_packed_vs_padded(args, root))
+    if "patched-step-cost" in parts:
+        figures.extend(_trainer_step_cost(args, root))
+    if "trainer-parity-table" in parts:
+        figures.extend(_parity_table(args, root))
     return figures
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--parity-only",
+        nargs="+",
+        choices=PARTS,
+        default=None,
+        help="parity: run only these figures (default: all)",
+    )
     p.add_argument(
         "--parity-len", type=int, default=32, help="packed-vs-padded: tokens per sequence"
     )

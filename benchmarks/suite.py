@@ -19,6 +19,7 @@ from benchmarks import (
     pipeline,
     routing,
     serving,
+    shapes,
     soak,
     tensor_parallel,
     throughput,
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_args(p)
     routing.add_args(p)
     tensor_parallel.add_args(p)
+    shapes.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
     unknown = sorted(set(args.figures) - set(SUITES))
@@ -178,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "allocator": allocator,
+        **(
+            {"cuda_device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+            if args.device == "cuda" and torch.cuda.is_available()
+            else {}
+        ),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     path = write_results(args.out, figures, meta)

@@ -27,7 +27,9 @@ from oldlogit.contract.numerics import SamplingParams
 from oldlogit.contract.safetensors import hash_sources
 from oldlogit.publishing.sources import is_dtensor, state_dict_sources
 
+from .attention import InvariantNumericsError
 from .logprobs import token_logprobs
+from .lora_trainer import lora_layers
 from .numerics import active_patch, trainer_numerics, unwrap_model
 from .setups import clean_name, sharded_precision
 from .trace import MAX_TRACE_TOKENS, TraceStage, describe_stage, first_divergence, forward_trace
@@ -148,7 +150,8 @@ def verify(
     service's numerics unless it is patched already; dropout is off for the canary (eval mode,
     restored after). A model not holding the version's weights raises ``WeightsMismatch``
     (parameter ``version``); a setup that cannot be bitwise raises ``NumericsMismatch`` or
-    ``InvariantNumericsError`` naming the cause, as ``trainer_numerics`` does.
+    ``InvariantNumericsError`` naming the cause, as ``trainer_numerics`` does; so does a model
+    with PEFT LoRA layers (adapter versions are not covered yet).
     """
     from oldlogit.contract.errors import WeightsMismatch
     from oldlogit.contract.types import Sequence as WireSequence
@@ -156,6 +159,14 @@ def verify(
     core = unwrap_model(model)
     if not callable(getattr(core, "get_output_embeddings", None)):
         raise TypeError(f"{type(core).__name__} is not a transformers causal LM")
+    if lora_layers(core):
+        raise InvariantNumericsError(
+            "verify does not cover LoRA adapter versions yet: it checks the model holds a "
+            "published version's full weights and traces that version's forward. Compare "
+            "token_logprobs under trainer_numerics with client.logprobs at the adapter "
+            "version instead, or verify the base (model.get_base_model() after "
+            "model.unload())"
+        )
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     info = client.info()
     spec = info.numerics_spec()

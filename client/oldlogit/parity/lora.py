@@ -190,8 +190,9 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\
 def adapter_from_peft(source: Any, *, adapter_name: str = "default") -> Adapter:
     """The adapter ``adapter_name`` of ``source``: a PeftModel (or a model holding PEFT LoRA
     layers), a ``save_pretrained`` directory (adapter_config.json + adapter_model.safetensors)
-    or a ``(state_dict, config_dict)`` pair. Module names become the base model's; tensors are
-    copied. Anything the definition does not cover raises ValueError naming the parameter."""
+    or a ``(state_dict, config_dict)`` pair (``adapter_name`` picks among keys that name their
+    adapter, as a model's ``state_dict()`` does; saved files name none). Module names become the
+    base model's; tensors are copied. What the definition does not cover raises ValueError."""
     if isinstance(source, nn.Module):
         return _from_module(source, adapter_name)
     if isinstance(source, (str, os.PathLike)):

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._rows import as_rows
+
 __all__ = ["block_for", "log_softmax", "token_logprobs"]
 
 MAX_BLOCK = 4096
@@ -33,14 +35,12 @@ def _log_softmax_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     lse_ptr,
     V,
-    stride_x,
-    stride_out,
     temperature,
     GATHER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+    x_row = x_ptr + row * V  # rows contiguous (_rows.py)
     cols = tl.arange(0, BLOCK)
     # Pass 1: running max m and running Σ exp(y − m), block by block.
     m = tl.full([], float("-inf"), tl.float32)
@@ -63,17 +63,12 @@ def _log_softmax_kernel(  # type: ignore[no-untyped-def]
         tl.store(lse_ptr + row, m + log_s)
     else:
         # Pass 2: (y − max) − log(sum), as torch's log_softmax orders it.
-        out_row = out_ptr + row * stride_out
+        out_row = out_ptr + row * V
         for start in range(0, V, BLOCK):
             mask = start + cols < V
             y = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             y = y / temperature
             tl.store(out_row + start + cols, (y - m) - log_s, mask=mask)
-
-
-def _rows(x: Tensor) -> Tensor:
-    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # [R, V]
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _launch(rows: Tensor, targets: Tensor | None, temperature: float) -> tuple[Tensor, Tensor]:
@@ -96,8 +91,6 @@ def _launch(rows: Tensor, targets: Tensor | None, temperature: float) -> tuple[T
         out,
         lse,
         v,
-        rows.stride(0),
-        out.stride(0),
         float(temperature),
         GATHER=gather,
         BLOCK=block,
@@ -114,14 +107,14 @@ def _check_temperature(temperature: float) -> None:
 def log_softmax(x: Tensor, temperature: float = 1.0) -> Tensor:
     """float32 ``log_softmax(x.float() / temperature, -1)`` of x [..., V] → [..., V]."""
     _check_temperature(temperature)
-    out, _ = _launch(_rows(x), None, temperature)
+    out, _ = _launch(as_rows(x), None, temperature)
     return out.reshape(x.shape)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, targets: Tensor, temperature: float) -> Tensor:
-        rows = _rows(x)  # [R, V]
+        rows = as_rows(x)  # [R, V]
         flat_targets = targets.reshape(-1).contiguous()  # [R]
         out, lse = _launch(rows, flat_targets, temperature)
         ctx.save_for_backward(rows, flat_targets, lse)

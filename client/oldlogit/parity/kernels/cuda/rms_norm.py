@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._rows import as_rows
+
 __all__ = ["block_for", "rms_norm"]
 
 MAX_BLOCK = 1024
@@ -30,8 +32,6 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     w_ptr,
     out_ptr,
     H,
-    stride_x,
-    stride_out,
     eps,
     offset,
     HAS_WEIGHT: tl.constexpr,
@@ -40,8 +40,8 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    out_row = out_ptr + row * stride_out
+    x_row = x_ptr + row * H  # rows contiguous (_rows.py)
+    out_row = out_ptr + row * H
     cols = tl.arange(0, BLOCK)
     # Pass 1: Σ x² in fp32, lane-wise over the chunks, then one tree over the lanes.
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -89,9 +89,7 @@ def rms_norm(
     if x.device.type == "cpu" and torch.bfloat16 in dtypes:
         # TRITON_INTERPRET=1 truncates float32 -> bfloat16 where CUDA rounds to nearest even.
         raise ValueError("rms_norm: bfloat16 runs on CUDA only (the Triton interpreter has none)")
-    rows = x.reshape(x.shape[:-1].numel(), h)
-    if h > 0 and rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)  # [R, H]
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] == 0 or h == 0:
         return out.reshape(x.shape)
@@ -101,8 +99,6 @@ def rms_norm(
         weight.contiguous() if weight is not None else rows,  # not read without HAS_WEIGHT
         out,
         h,
-        rows.stride(0),
-        out.stride(0),
         eps,
         offset,
         HAS_WEIGHT=weight is not None,

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._rows import as_rows
+
 __all__ = ["block_for", "row_cumsum"]
 
 MAX_BLOCK = 4096
@@ -29,13 +31,11 @@ def _row_cumsum_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     out_ptr,
     V,
-    stride_x,
-    stride_out,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    out_row = out_ptr + row * stride_out
+    x_row = x_ptr + row * V  # rows contiguous (_rows.py)
+    out_row = out_ptr + row * V
     cols = tl.arange(0, BLOCK)
     carry = tl.full([], 0.0, tl.float32)
     for start in range(0, V, BLOCK):
@@ -52,13 +52,9 @@ def row_cumsum(x: Tensor) -> Tensor:
     if not x.is_floating_point() or x.dim() == 0:
         raise ValueError(f"row_cumsum: needs a floating tensor with a last dim, got {x.dtype}")
     v = x.shape[-1]
-    rows = x.reshape(x.shape[:-1].numel(), v)  # [R, V]
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)  # [R, V]
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0] > 0 and v > 0:
         block, num_warps = block_for(v)
-        _row_cumsum_kernel[(rows.shape[0],)](
-            rows, out, v, rows.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps
-        )
+        _row_cumsum_kernel[(rows.shape[0],)](rows, out, v, BLOCK=block, num_warps=num_warps)
     return out.reshape(x.shape)

@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._rows import as_rows
+
 __all__ = ["block_for", "row_mean", "row_sum"]
 
 MAX_BLOCK = 1024
@@ -28,13 +30,12 @@ def _row_reduce_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     out_ptr,
     H,
-    stride_x,
     MEAN: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+    x_row = x_ptr + row * H  # rows contiguous (_rows.py)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=ACC)
     for start in range(0, H, BLOCK):
@@ -54,9 +55,7 @@ def _reduce(x: Tensor, mean: bool) -> Tensor:
         # the same fp32 accumulation, and one round-to-nearest cast out, as on CUDA.
         return _reduce(x.float(), mean).to(torch.bfloat16)
     h = x.shape[-1]
-    rows = x.reshape(x.shape[:-1].numel(), h)  # [R, H]
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)  # [R, H]
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)  # [R]
     if h == 0:  # torch: an empty sum is 0, an empty mean NaN
         out.fill_(float("nan") if mean else 0.0)
@@ -66,7 +65,6 @@ def _reduce(x: Tensor, mean: bool) -> Tensor:
             rows,
             out,
             h,
-            rows.stride(0),
             MEAN=mean,
             ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
             BLOCK=block,

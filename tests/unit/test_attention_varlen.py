@@ -67,7 +67,7 @@ def _batch(
     else:
         rows = [[i] for i in range(len(seqs))]
         width, batch = max(lengths) + 2, len(seqs)
-    out = [torch.zeros(batch, t.shape[0], width, t.shape[2], dtype=t.dtype) for t in seqs[0]]
+    out = [t.new_zeros(batch, t.shape[0], width, t.shape[2]) for t in seqs[0]]
     mask = torch.zeros(batch, width, dtype=torch.int64)
     positions = torch.zeros(batch, width, dtype=torch.int64)
     where: list[tuple[int, int]] = [(0, 0)] * len(seqs)
@@ -317,9 +317,11 @@ def test_a_models_forward_is_one_attention_call_a_layer(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_the_backward_runs_and_a_sequences_gradient_alone_and_packed(dtype, kv_heads):
-    """dK and dV of a sequence come from its own key blocks' loops; dQ is reported separately
-    (FlashAttention-2's backward adds dQ across key blocks, split by a count that depends on
-    batch × heads: flash_api.cpp, mha_varlen_bwd)."""
+    """The backward is torch's formula for each op. FlashAttention-2's gives a sequence's dK
+    and dV from its own key blocks' loops (asserted bitwise in bf16 without grouped heads);
+    it adds dQ across key blocks atomically, and grouped heads' dK/dV are summed by a CUDA
+    reduction, and the memory-efficient kernel may split keys by the batch's shape: those
+    are reported (xfail) where they differ, not promised (docs/exactness.md)."""
     seqs = [tuple(t.cuda() for t in s) for s in _sequences([37, 64, 9, 80], 8, kv_heads, 64, dtype)]
     grads_out = torch.randn(37, 8, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
 
@@ -334,10 +336,15 @@ def test_the_backward_runs_and_a_sequences_gradient_alone_and_packed(dtype, kv_h
 
     alone = grads(seqs[:1], "right")
     packed = grads(seqs, "packed")
-    assert all(torch.isfinite(g).all() for g in alone)
-    assert torch.equal(alone[1], packed[1]) and torch.equal(alone[2], packed[2])  # dK, dV
-    if not torch.equal(alone[0], packed[0]):
-        pytest.xfail("dQ differs alone vs packed (FA2 backward's split dQ accumulation)")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for a, p in zip(alone, packed, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(p, a, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16 and kv_heads == 8:
+        assert torch.equal(alone[1], packed[1]) and torch.equal(alone[2], packed[2])  # dK, dV
+    differ = [n for n, a, p in zip("qkv", alone, packed, strict=True) if not torch.equal(a, p)]
+    if differ:
+        pytest.xfail(f"d{', d'.join(differ)} differ alone vs packed (gradients not promised)")
 
 
 def test_each_layers_route_is_recorded_by_name():

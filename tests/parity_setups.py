@@ -110,11 +110,18 @@ def _rope_theta(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _lora(model: torch.nn.Module) -> torch.nn.Module:
-    peft = _import_or_skip("peft")
-    return peft.get_peft_model(  # type: ignore[no-any-return]
-        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    )
+def _lora(**extra: Any) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    """A PEFT LoRA adapter as get_peft_model makes it: lora_B at 0, so the adapter's logprobs
+    are its base version's (trained adapters: tests/integration/test_lora_parity.py)."""
+
+    def step(model: torch.nn.Module) -> torch.nn.Module:
+        peft = _import_or_skip("peft")
+        config = peft.LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **extra
+        )
+        return peft.get_peft_model(model, config)  # type: ignore[no-any-return]
+
+    return step
 
 
 def _liger(model: torch.nn.Module) -> torch.nn.Module:
@@ -250,10 +257,15 @@ SETUPS = [
         refused=r"buffer model\.rotary_emb\.inv_freq: float32:\w+ here, float32:\w+ there",
     ),
     Setup(
-        "PEFT LoRA adapter",
+        "PEFT LoRA adapter (lora_B at its zero init: the base version's bits)",
         "bfloat16",
-        _then(_load(BF16), _lora),
-        refused=r"peft\..*PEFT adapter computes W·x \+ B·A·x.*merge_and_unload",
+        _then(_load(BF16), _lora()),
+    ),
+    Setup(
+        "PEFT DoRA adapter",
+        "bfloat16",
+        _then(_load(BF16), _lora(use_dora=True)),
+        refused=r"q_proj: DoRA \(use_dora=True\) adds a weight-norm term",
     ),
     Setup(
         "liger-kernel apply_liger_kernel_to_qwen2(model=...)",

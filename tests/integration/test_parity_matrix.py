@@ -5,8 +5,9 @@ shares): a whole-module cast, float32 masters under ``torch.autocast``, activati
 checkpointing (reentrant, not, with autocast), ``torch.compile`` and ``model.compile()``, the
 eager/sdpa/flex attention implementations, each bitwise on every scored token at micro-batch
 sizes 1, 4 and 8 (HTTP and gRPC alternate) with the gradients of the serving-dtype model; float32
-masters without autocast, a mismatched autocast dtype, another rope_theta, a PEFT adapter and
-liger-kernel refused by name before any step. The multi-process rows (DDP, FSDP2) are
+masters without autocast, a mismatched autocast dtype, another rope_theta, a PEFT DoRA adapter
+and liger-kernel refused by name before any step; a PEFT LoRA adapter bitwise (at PEFT's zero
+init of lora_B: its base version's bits). The multi-process rows (DDP, FSDP2) are
 tests/integration/test_parity_distributed.py. Each row is also written to
 test-artifacts/parity-matrix.json (docs/trainers.md holds the table).
 """

@@ -277,12 +277,19 @@ def test_lora_dropout_is_refused_in_training_and_bitwise_in_eval() -> None:
     assert _off(_trainer(pm, seqs, 2, "left"), served) == 0
 
 
-def test_mixed_adapter_batch_is_refused() -> None:
-    pm, _ = _peft("qwen2", torch.float32, r=4, lora_alpha=8, target_modules=ATTENTION)
+def test_peft_mixed_adapter_batch_is_refused_and_is_another_function() -> None:
+    """PEFT's ``adapter_names=`` batch casts each adapter's output to the base dtype before
+    adding: over a bf16 base its logits are not the single-adapter forward's."""
+    pm, _ = _peft("qwen2", torch.bfloat16, r=8, lora_alpha=16, target_modules="all-linear")
     pm.eval()  # PEFT itself refuses adapter_names= in training
     ids, mask = _padded(_samples()[:2], left=True)
     with trainer_numerics(pm), pytest.raises(InvariantNumericsError, match="adapter_names="):
         pm(input_ids=ids, attention_mask=mask, adapter_names=["default", "__base__"])
+    with trainer_numerics(pm, strict=False), torch.no_grad():
+        mixed = pm(input_ids=ids, attention_mask=mask, adapter_names=["default"] * 2).logits
+        single = pm(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert not torch.equal(mixed[real], single[real])
 
 
 class _FakeVerifyClient:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 from pydantic import ValidationError
 
 from oldlogit.contract import wire
+from oldlogit.contract.adapters import AdapterConfig
 from oldlogit.contract.errors import InvalidRequest, UnknownLease
 from oldlogit.contract.types import (
     Info,
@@ -39,6 +40,7 @@ from oldlogit.contract.types import (
     TraceRequest,
     VersionInfo,
 )
+from oldlogit.publishing.adapters import AdapterUpload
 from oldlogit.publishing.publisher import Publisher
 from oldlogit.transport.base import TLS_SCHEMES, Transport, check_url, open_transport
 from oldlogit.transport.loop_thread import LoopThread
@@ -405,6 +407,32 @@ class AsyncClient:
             cast=cast,
         )
 
+    async def publish_adapter(
+        self,
+        policy_version: int,
+        adapter: Any,
+        *,
+        base_version: int,
+        sha256: str | None = None,
+        progress: bool = False,
+    ) -> PublishResult:
+        """Publish an adapter version: LoRA tensors and config over the retained full-weights
+        version ``base_version`` (docs/trainers.md, "Adapter versions").
+
+        ``adapter``: a PEFT model, a PEFT ``save_pretrained`` directory, a
+        ``(state_dict, config_dict)`` pair of PEFT's, or an ``oldlogit.parity.lora.Adapter``.
+        A PEFT model is converted with ``oldlogit.parity.lora.adapter_from_peft`` (torch and
+        peft); a directory or pair is read without torch when those are not installed.
+        ``sha256`` defaults to the adapter hash computed here
+        (``oldlogit.contract.weights.adapter_sha256``, over the base's weight hash); the
+        service verifies it. The same version and hash again is a no-op; other tensors are a
+        ``VersionConflict``.
+        """
+        upload = await asyncio.to_thread(_adapter_upload, adapter)
+        return await self._publisher.publish_adapter(
+            policy_version, upload, base_version=base_version, sha256=sha256, progress=progress
+        )
+
     async def weight_layout(self) -> WeightLayout:
         """The model's weight layout (``Info.weight_layout``), fetched once per client."""
         return await self._publisher.weight_layout()
@@ -642,6 +670,7 @@ class Client:
     replicas = _sync(AsyncClient.replicas)
     discover = _sync(AsyncClient.discover)
     publish = _sync(AsyncClient.publish)
+    publish_adapter = _sync(AsyncClient.publish_adapter)
     weight_layout = _sync(AsyncClient.weight_layout)
     open_session = _sync(AsyncClient.open_session)
     upload_part = _sync(AsyncClient.upload_part)
@@ -702,6 +731,34 @@ class Lease:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _adapter_upload(adapter: Any) -> AdapterUpload:
+    """What ``publish_adapter`` sends for any of the adapters it takes (see there)."""
+    if hasattr(adapter, "spec") and hasattr(adapter, "tensors"):  # oldlogit.parity.lora.Adapter
+        config = AdapterConfig.from_dict(adapter.spec.as_dict())
+        return AdapterUpload.from_tensors(config, adapter.tensors)
+    is_path = isinstance(adapter, (str, os.PathLike))
+    is_pair = isinstance(adapter, tuple) and len(adapter) == 2
+    try:
+        from oldlogit.parity.lora import adapter_from_peft
+    except ImportError:  # no torch or peft here: PEFT's files read as they are
+        if is_path:
+            return AdapterUpload.from_directory(adapter)
+        if is_pair:
+            return AdapterUpload.from_peft_state_dict(adapter[0], adapter[1])
+        raise InvalidRequest(
+            "a PEFT model is converted with oldlogit.parity.lora (pip install 'oldlogit[trainer]' "
+            "peft), or pass its save_pretrained directory",
+            parameter="adapter",
+        ) from None
+    if not (is_path or is_pair or hasattr(adapter, "peft_config")):
+        raise InvalidRequest(
+            "adapter must be a PEFT model, a save_pretrained directory, a (state_dict, config) "
+            f"pair or an oldlogit.parity.lora.Adapter, not {type(adapter).__name__}",
+            parameter="adapter",
+        )
+    return _adapter_upload(adapter_from_peft(os.fspath(adapter) if is_path else adapter))
 
 
 def _invalid(exc: ValidationError) -> InvalidRequest:

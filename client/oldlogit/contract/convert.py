@@ -244,6 +244,7 @@ class PublishHeader:
     delta: bool = False
     parent: int | None = None
     total_bytes: int = 0
+    base_version: int | None = None  # set: an adapter's tensors over this base version
 
     def __post_init__(self) -> None:
         check_version(self.policy_version)
@@ -251,6 +252,12 @@ class PublishHeader:
             check_version(self.parent, "parent")
             if not self.delta:
                 raise InvalidRequest("parent applies to delta publishes only", parameter="parent")
+        if self.base_version is not None:
+            check_version(self.base_version, "base_version")
+            if self.delta:
+                raise InvalidRequest(
+                    "an adapter is published whole (no delta)", parameter="base_version"
+                )
 
     def to_proto(self) -> pb.PublishChunk:
         header = pb.PublishHeader(
@@ -261,6 +268,8 @@ class PublishHeader:
         )
         if self.parent is not None:
             header.parent = self.parent
+        if self.base_version is not None:
+            header.base_version = self.base_version
         return pb.PublishChunk(header=header)
 
     @classmethod
@@ -281,6 +290,9 @@ class PublishHeader:
             delta=msg.delta,
             parent=msg.parent if msg.HasField("parent") else None,
             total_bytes=msg.total_bytes if isinstance(msg, pb.PublishHeader) else 0,
+            base_version=msg.base_version
+            if isinstance(msg, pb.PublishHeader) and msg.HasField("base_version")
+            else None,
         )
 
 

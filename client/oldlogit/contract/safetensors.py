@@ -91,10 +91,15 @@ def coalesce(pieces: Iterable[bytes | memoryview], size: int) -> Iterator[bytes]
 
 
 def hash_sources(
-    sources: Iterable[TensorSource], files: Iterable[Path] = (), bar: Any = None
+    sources: Iterable[TensorSource],
+    files: Iterable[Path] = (),
+    bar: Any = None,
+    *,
+    prefix: bytes = b"",
 ) -> str:
-    """The weight hash (``oldlogit.contract.weights.weight_sha256``) of the sources' bytes."""
-    hasher = WeightHasher()
+    """The weight hash (``oldlogit.contract.weights.weight_sha256``) of the sources' bytes;
+    with an adapter's ``prefix`` (``weights.adapter_hash_prefix``), its ``adapter_sha256``."""
+    hasher = WeightHasher(prefix)
     handles = {p: open(p, "rb") for p in files}  # noqa: SIM115 - closed below
     try:
         for s in sorted(sources, key=lambda s: s.name):

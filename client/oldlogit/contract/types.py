@@ -375,10 +375,11 @@ class VersionInfo(_Model):
     weight_sha256: str
     nbytes: int  # bytes of the full weights in the serving dtype
     tiers: list[str]  # where it is resident now: "device", "host", "disk"
-    kind: str = "keyframe"  # "keyframe" or "patch" (docs/delta-snapshots.md)
+    kind: str = "keyframe"  # "keyframe", "patch" (docs/delta-snapshots.md) or "adapter"
     parent: int | None = None
     leases: int = 0
     created_at: float = 0.0  # unix seconds of the publish
+    adapter_of: int | None = None  # an adapter version's base version
 
 
 class PublishResult(_Model):

@@ -32,6 +32,8 @@ __all__ = [
     "SafetensorsHeader",
     "TensorEntry",
     "WeightHasher",
+    "adapter_hash_prefix",
+    "adapter_sha256",
     "dtype_name",
     "numpy_dtype",
     "read_entry_chunks",
@@ -191,8 +193,8 @@ class WeightHasher:
     ``prod(shape) * itemsize`` bytes per tensor.
     """
 
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
+    def __init__(self, prefix: bytes = b"") -> None:
+        self._h = hashlib.sha256(prefix)  # ``prefix``: an adapter's (``adapter_hash_prefix``)
         self._last: str | None = None
         self._expected = 0
         self._seen = 0
@@ -250,7 +252,12 @@ def weight_sha256(weights: Mapping[str, Any], *, dtypes: Mapping[str, str] | Non
     numpy arrays. numpy has no bfloat16: pass the bits as a ``uint16`` array and declare the
     real dtype with ``dtypes={name: "BF16"}`` (same item size required).
     """
-    hasher = WeightHasher()
+    return _hash_tensors(WeightHasher(), weights, dtypes)
+
+
+def _hash_tensors(
+    hasher: WeightHasher, weights: Mapping[str, Any], dtypes: Mapping[str, str] | None
+) -> str:
     for name in sorted(weights):
         x = weights[name]
         dt = dtype_name(x)
@@ -266,6 +273,32 @@ def weight_sha256(weights: Mapping[str, Any], *, dtypes: Mapping[str, str] | Non
         hasher.begin(name, dt, _shape_of(x))
         hasher.update(tensor_raw_bytes(x))
     return hasher.hexdigest()
+
+
+def adapter_hash_prefix(config_json: str, base_sha256: str) -> bytes:
+    """What an adapter version's hash opens with (``adapter_sha256``)."""
+    return b"oldlogit-adapter\0" + config_json.encode() + b"\0" + base_sha256.encode() + b"\0"
+
+
+def adapter_sha256(
+    config_json: str,
+    base_sha256: str,
+    tensors: Mapping[str, Any],
+    *,
+    dtypes: Mapping[str, str] | None = None,
+) -> str:
+    """The weight hash of an adapter version (hex sha256): one sha256 over ::
+
+        b"oldlogit-adapter\\0" + config_json + b"\\0" + base_sha256 (hex) + b"\\0"
+        then every tensor exactly as ``weight_sha256`` feeds it (sorted names; name, dtype,
+        shape, raw little-endian bytes)
+
+    ``config_json``: the canonical config (``oldlogit.contract.adapters.AdapterConfig.to_json``:
+    sorted keys, no spaces); ``base_sha256``: the base version's weight hash.
+    """
+    return _hash_tensors(
+        WeightHasher(adapter_hash_prefix(config_json, base_sha256)), tensors, dtypes
+    )
 
 
 # -- safetensors files --------------------------------------------------------------------
@@ -437,13 +470,14 @@ def shard_headers(
     return where, headers
 
 
-def safetensors_sha256(path: str | os.PathLike[str]) -> str:
+def safetensors_sha256(path: str | os.PathLike[str], *, prefix: bytes = b"") -> str:
     """The weight hash of a safetensors file or shard directory, from its raw bytes.
 
-    Equal to ``weight_sha256`` of the loaded tensors, without loading them (no torch needed).
+    Equal to ``weight_sha256`` of the loaded tensors, without loading them (no torch needed);
+    with an adapter's ``prefix`` (``adapter_hash_prefix``), its ``adapter_sha256``.
     """
     where, headers = shard_headers(path)
-    hasher = WeightHasher()
+    hasher = WeightHasher(prefix)
     handles = {h.path: open(h.path, "rb") for h in headers}  # noqa: SIM115 - closed below
     try:
         for name in sorted(where):

@@ -27,10 +27,13 @@ from oldlogit.contract.errors import (
     ParentMissing,
     TlsError,
     Unauthorized,
+    UnknownVersion,
+    VersionEvicted,
     WeightsMismatch,
 )
 from oldlogit.contract.layout import WeightLayout
 from oldlogit.contract.types import Info, PublishResult
+from oldlogit.publishing.adapters import AdapterUpload
 from oldlogit.publishing.sessions import Sessions
 from oldlogit.publishing.streams import (
     SafetensorsStream,
@@ -114,15 +117,17 @@ class Publisher:
         progress: bool,
         *,
         parent: int | None = None,
+        base_version: int | None = None,
     ) -> PublishResult:
-        """Stream one safetensors body (full weights, or a delta against ``parent``); a retry
-        uploads it again from its first byte."""
+        """Stream one safetensors body (full weights, a delta against ``parent``, or an
+        adapter over ``base_version``); a retry uploads it again from its first byte."""
         header = PublishHeader(
             policy_version,
             sha256,
             delta=parent is not None,
             parent=parent,
             total_bytes=stream.total_bytes,
+            base_version=base_version,
         )
         bar = progress_bar(progress, stream.total_bytes, f"publish v{policy_version}")
 
@@ -136,6 +141,42 @@ class Publisher:
         finally:
             if bar is not None:
                 bar.close()
+
+    async def publish_adapter(
+        self,
+        policy_version: int,
+        adapter: AdapterUpload,
+        *,
+        base_version: int,
+        sha256: str | None,
+        progress: bool,
+    ) -> PublishResult:
+        """See ``AsyncClient.publish_adapter``: hashed over the base's weight hash (asked of
+        the service), then uploaded; the service checks and hashes it again."""
+        try:
+            base = await self._pool.call(
+                lambda t, rem: t.get_version(base_version, rem), key=base_version
+            )
+        except (UnknownVersion, VersionEvicted) as exc:
+            raise type(exc)(
+                f"base_version {base_version}: {exc.message}",
+                parameter="base_version",
+                details=exc.details,
+            ) from exc
+        if base.adapter_of is not None:
+            raise InvalidRequest(
+                f"base_version {base_version} is itself an adapter version (over "
+                f"{base.adapter_of}); an adapter applies to full weights",
+                parameter="base_version",
+            )
+        ours = await asyncio.to_thread(adapter.sha256, base.weight_sha256)
+        if sha256 is not None and sha256.lower() != ours:
+            raise WeightsMismatch(
+                f"the adapter hashes to {ours}, not the given sha256 {sha256}", parameter="sha256"
+            )
+        return await self.upload(
+            policy_version, adapter.stream, ours, progress, base_version=base_version
+        )
 
     # -- the three ways a version travels ----------------------------------------------------
 

@@ -170,6 +170,8 @@ class HttpTransport:
             params["sha256"] = header.sha256
         if header.parent is not None:
             params["parent"] = header.parent
+        if header.base_version is not None:
+            params["base_version"] = header.base_version
         return await self._model(
             PublishResult,
             "PUT",

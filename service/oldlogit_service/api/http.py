@@ -275,7 +275,8 @@ def create_app(rt: Runtime, intake: Intake, auth: Auth) -> FastAPI:
     @app.put(
         "/v1/versions/{policy_version}",
         response_model=PublishResult,
-        summary="Publish a version: the body is a safetensors file (delta=true: a delta), streamed",
+        summary="Publish a version: the body is a safetensors file (delta=true: a delta; "
+        "base_version=B: an adapter's LoRA tensors over version B), streamed",
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -291,8 +292,11 @@ def create_app(rt: Runtime, intake: Intake, auth: Auth) -> FastAPI:
         sha256: str | None = None,
         delta: bool = False,
         parent: int | None = None,
+        base_version: int | None = None,
     ) -> PublishResult:
-        header = PublishHeader(policy_version, sha256=sha256, delta=delta, parent=parent)
+        header = PublishHeader(
+            policy_version, sha256=sha256, delta=delta, parent=parent, base_version=base_version
+        )
         return await intake.publish_stream(header, request.stream())
 
     @app.post(

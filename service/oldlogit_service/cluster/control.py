@@ -31,6 +31,7 @@ def version_info(rec: VersionRecord) -> VersionInfo:
         parent=rec.parent,
         leases=rec.leases,
         created_at=rec.created_at,
+        adapter_of=rec.base,
     )
 
 

@@ -117,7 +117,11 @@ class EwmaProxy:
         is skipped: the average then misses it, which only makes the approximation coarser.
         """
         with self._lock:
-            todo = sorted(int(r.version) for r in store.versions() if r.version > self._last)
+            todo = sorted(  # an adapter version has no weights of its own to fold
+                int(r.version)
+                for r in store.versions()
+                if r.version > self._last and r.kind != "adapter"
+            )
             done: list[int] = []
             for v in todo:
                 try:

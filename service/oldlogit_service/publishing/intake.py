@@ -68,7 +68,8 @@ class Intake:
         self, header: PublishHeader, chunks: AsyncIterator[bytes], *, parameter: str = "body"
     ) -> PublishResult:
         """The one upload path of both transports: a safetensors body (``header.delta``: the
-        changed elements against ``header.parent``) streamed to the staging directory (same
+        changed elements against ``header.parent``; ``header.base_version``: an adapter's
+        tensors over that base) streamed to the staging directory (same
         filesystem as the store, so a full publish is a rename), within the upload limit, then
         published."""
         version, sha256, parent = header.policy_version, header.sha256, header.parent
@@ -77,6 +78,13 @@ class Intake:
             await receive_upload(
                 chunks, tmp, limit_bytes=self.upload_limit_bytes, parameter=parameter
             )
+            base = header.base_version
+            if base is not None:  # an adapter's LoRA tensors over ``base``
+                return await self._publish(
+                    lambda: self.store.publish_adapter(
+                        version, tmp, base_version=base, expected_sha256=sha256
+                    )
+                )
             if header.delta:
                 return await self._publish(
                     lambda: self.store.publish_delta(
@@ -104,6 +112,11 @@ class Intake:
         (``header.delta``: the path holds a delta file against ``header.parent``)."""
         version, sha256, parent = header.policy_version, header.sha256, header.parent
         target = await asyncio.to_thread(resolve_publish_path, path, self.settings.publish_roots)
+        if header.base_version is not None:
+            raise InvalidRequest(
+                "an adapter is published by upload (Client.publish_adapter), not by path",
+                parameter="base_version",
+            )
         if header.delta:
             if not target.is_file():
                 raise InvalidRequest(

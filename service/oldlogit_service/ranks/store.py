@@ -117,6 +117,19 @@ class FrontStore(SnapshotStore):
         out = super().publish_delta(version, path, parent=parent, expected_sha256=expected_sha256)
         return self._placed_outcome(out)
 
+    def publish_adapter(
+        self,
+        version: int,
+        path: Path | str,
+        *,
+        base_version: int,
+        expected_sha256: str | None = None,
+    ) -> PublishOutcome:
+        raise InvalidRequest(
+            "adapter versions are not served under --tensor-parallel above 1 yet",
+            parameter="base_version",
+        )
+
     def adopt(self, version: int, path: Path, expected_sha256: str) -> PublishOutcome:
         raise InvalidRequest(
             "a tensor-parallel replica does not adopt versions from other replicas "

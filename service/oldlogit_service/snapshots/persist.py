@@ -180,15 +180,16 @@ class StoredVersion:
     nbytes: int
     file: str  # name under weights/
     created_at: float
-    kind: str = "keyframe"  # or "patch": the changed elements against ``parent``
+    kind: str = "keyframe"  # or "patch" (the changed elements against ``parent``) or "adapter"
     parent: int | None = None
-    file_nbytes: int = 0  # a patch file's size (a keyframe's is its data, ``nbytes``)
-    file_sha256: str | None = None  # a patch file's tensor hash, checked on every read
+    file_nbytes: int = 0  # a patch's or adapter's file size (a keyframe's is its data, ``nbytes``)
+    file_sha256: str | None = None  # a patch's or adapter's tensor hash, checked on every read
+    base: int | None = None  # an adapter's base version (kept while the adapter is)
 
     @property
     def disk_nbytes(self) -> int:
         """What this version costs the disk tier."""
-        return self.file_nbytes if self.kind == "patch" else self.nbytes
+        return self.nbytes if self.kind == "keyframe" else self.file_nbytes
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -200,9 +201,11 @@ class StoredVersion:
             "kind": self.kind,
             "parent": self.parent,
         }
-        if self.kind == "patch":
+        if self.kind != "keyframe":
             d["file_nbytes"] = self.file_nbytes
             d["file_sha256"] = self.file_sha256
+        if self.base is not None:
+            d["base"] = self.base
         return d
 
     @classmethod
@@ -218,6 +221,7 @@ class StoredVersion:
             parent=None if parent is None else int(parent),
             file_nbytes=int(d.get("file_nbytes", 0)),
             file_sha256=d.get("file_sha256"),
+            base=None if d.get("base") is None else int(d["base"]),
         )
 
 
@@ -295,6 +299,10 @@ def keyframe_name(version: int) -> str:
 
 def patch_name(version: int) -> str:
     return f"v{version:012d}.{uuid.uuid4().hex[:12]}.patch"
+
+
+def adapter_name(version: int) -> str:
+    return f"v{version:012d}.{uuid.uuid4().hex[:12]}.adapter"
 
 
 def temp_path(directory: Path) -> Path:

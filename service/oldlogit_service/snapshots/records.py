@@ -34,6 +34,7 @@ class VersionRecord:
     stored_nbytes: int = 0  # bytes its file takes on disk (a patch: far less than nbytes)
     file: str = ""  # its file under the snapshot directory's weights/
     patch_cached: bool = False  # its decoded patch is held in memory
+    base: int | None = None  # an adapter version's base version (kind "adapter")
 
 
 @dataclass(frozen=True)

@@ -554,6 +554,7 @@ class VersionInfo(_message.Message):
     PARENT_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    ADAPTER_OF_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """The policy version."""
     weight_sha256: _builtins.str
@@ -568,6 +569,8 @@ class VersionInfo(_message.Message):
     """Number of live leases pinning it."""
     created_at: _builtins.float
     """Unix seconds of the publish."""
+    adapter_of: _builtins.int
+    """An adapter version (kind "adapter"): the base version its LoRA tensors apply to."""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Where it is resident now: "device", "host", "disk"."""
@@ -583,13 +586,19 @@ class VersionInfo(_message.Message):
         parent: _builtins.int | None = ...,
         leases: _builtins.int = ...,
         created_at: _builtins.float = ...,
+        adapter_of: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "parent", b"parent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adapter_of", b"_adapter_of", "_parent", b"_parent", "adapter_of", b"adapter_of", "parent", b"parent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "created_at", b"created_at", "kind", b"kind", "leases", b"leases", "nbytes", b"nbytes", "parent", b"parent", "policy_version", b"policy_version", "tiers", b"tiers", "weight_sha256", b"weight_sha256"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adapter_of", b"_adapter_of", "_parent", b"_parent", "adapter_of", b"adapter_of", "created_at", b"created_at", "kind", b"kind", "leases", b"leases", "nbytes", b"nbytes", "parent", b"parent", "policy_version", b"policy_version", "tiers", b"tiers", "weight_sha256", b"weight_sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__adapter_of: _TypeAlias = _typing.Literal["adapter_of"]  # noqa: Y015
+    _WhichOneofArgType__adapter_of: _TypeAlias = _typing.Literal["_adapter_of", b"_adapter_of"]  # noqa: Y015
     _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
     _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__adapter_of) -> _WhichOneofReturnType__adapter_of | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
 
 Global___VersionInfo: _TypeAlias = VersionInfo  # noqa: Y015
@@ -649,6 +658,7 @@ class PublishHeader(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     PARENT_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """The version to publish (strictly increasing per deployment)."""
     sha256: _builtins.str
@@ -661,6 +671,10 @@ class PublishHeader(_message.Message):
     """The version a delta applies to; unset means the latest published version."""
     total_bytes: _builtins.int
     """Total bytes of the safetensors stream that follows (for limits and progress)."""
+    base_version: _builtins.int
+    """Set: the stream holds an adapter's LoRA tensors (its config in the safetensors metadata
+    "adapter_config") over this base version; the version is an adapter version.
+    """
     def __init__(
         self,
         *,
@@ -669,13 +683,19 @@ class PublishHeader(_message.Message):
         delta: _builtins.bool = ...,
         parent: _builtins.int | None = ...,
         total_bytes: _builtins.int = ...,
+        base_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "parent", b"parent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_parent", b"_parent", "base_version", b"base_version", "parent", b"parent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "delta", b"delta", "parent", b"parent", "policy_version", b"policy_version", "sha256", b"sha256", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_parent", b"_parent", "base_version", b"base_version", "delta", b"delta", "parent", b"parent", "policy_version", b"policy_version", "sha256", b"sha256", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__base_version: _TypeAlias = _typing.Literal["base_version"]  # noqa: Y015
+    _WhichOneofArgType__base_version: _TypeAlias = _typing.Literal["_base_version", b"_base_version"]  # noqa: Y015
     _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
     _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base_version) -> _WhichOneofReturnType__base_version | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
 
 Global___PublishHeader: _TypeAlias = PublishHeader  # noqa: Y015

@@ -80,14 +80,15 @@ class Registry:
         lost: list[int] = []
         # A patch is decided after its parent (older, or newer once a keyframe moved down its
         # chain: rebuild.py); one whose chain never reaches a kept keyframe (a parent lost,
-        # missing, or a cycle) is lost too.
+        # missing, or a cycle) is lost too. So is an adapter whose base is lost.
         pending = sorted(doc.versions)
         while pending:
             later: list[int] = []
             for v in pending:
                 sv = doc.versions[v]
-                if sv.kind == "patch" and sv.parent not in self._records:
-                    if sv.parent in doc.versions and sv.parent not in lost:
+                needs = sv.parent if sv.kind == "patch" else sv.base
+                if sv.kind in ("patch", "adapter") and needs not in self._records:
+                    if needs in doc.versions and needs not in lost:
                         later.append(v)  # its parent is not decided yet
                     else:
                         lost.append(v)
@@ -190,18 +191,27 @@ class Registry:
             return out
 
     def descendants(self, versions: set[int]) -> set[int]:
-        """Retained versions rebuilt through any of ``versions`` (excluding them)."""
+        """Retained versions rebuilt through any of ``versions`` (excluding them), and the
+        adapters over any of them."""
         with self._lock:
             out: set[int] = set()
             grew = True
             while grew:  # parents may be newer (a moved keyframe): until nothing joins
                 grew = False
                 for v, sv in self._records.items():
-                    p = sv.parent
+                    p = sv.parent if sv.base is None else sv.base
                     if v not in out and p is not None and (p in versions or p in out):
                         out.add(v)
                         grew = True
             return out - versions
+
+    def adapters_over(self, base: int) -> list[int]:
+        """The retained adapter versions over ``base``, ascending."""
+        with self._lock:
+            return sorted(v for v, sv in self._records.items() if sv.base == base)
+
+    def _adapter_bases_locked(self) -> set[int]:
+        return {sv.base for sv in self._records.values() if sv.base is not None}
 
     def dependents(self, remove: set[int]) -> list[int]:
         """Retained versions (not in ``remove``) whose parent is in ``remove``, ascending."""
@@ -328,6 +338,12 @@ class Registry:
         with self._lock:
             if stored.parent is not None and stored.parent not in self._records:
                 raise self._parent_gone(stored)
+            if stored.base is not None and stored.base not in self._records:
+                raise VersionEvicted(
+                    f"base_version {stored.base} of adapter version {stored.version} was "
+                    "deleted meanwhile",
+                    parameter="base_version",
+                )
             doc = self._doc_locked(add=stored)
         persist.write_registry(self.root, doc)
         with self._lock:
@@ -379,6 +395,14 @@ class Registry:
                     parameter="policy_version",
                     details={"leases": n},
                 )
+            over = sorted(v for v, sv in self._records.items() if sv.base == version)
+            if over:
+                raise Conflict(
+                    f"policy_version {version} is the base of adapter version(s) {over}; "
+                    "delete them first",
+                    parameter="policy_version",
+                    details={"adapters": over},
+                )
             return True
 
     def remove(
@@ -414,7 +438,10 @@ class Registry:
         """What the disk rules retire now (watermark, ``max_versions``, byte budget), and
         whether a running request held a victim back."""
         with self._lock:
-            leased = self._leases.leased_versions() | pinned_elsewhere
+            # A base stays while an adapter over it is retained (like a leased version).
+            leased = (
+                self._leases.leased_versions() | pinned_elsewhere | self._adapter_bases_locked()
+            )
             cands = [
                 DiskCandidate(
                     v, sv.disk_nbytes, self._last_used.get(v, 0.0), v in leased, v in in_use

@@ -33,6 +33,7 @@ from oldlogit.contract.errors import (
 )
 from oldlogit.contract.weights import read_safetensors_header
 from oldlogit_service.snapshots import buffers, codec, ingest, persist
+from oldlogit_service.snapshots.adapters import Adapters, StoredAdapter
 from oldlogit_service.snapshots.lagging import LaggingModel
 from oldlogit_service.snapshots.leases import LeaseRecord
 from oldlogit_service.snapshots.publish import Claim, Publisher, check_sha
@@ -183,6 +184,9 @@ class SnapshotStore:
             clock=clock,
             claim=claim,
         )
+        self._adapters = Adapters(
+            registry=self.registry, specs=self._specs, clock=clock, clustered=claim is not None
+        )
         try:
             self._lockfile = persist.lock_root(self._root)
         except BlockingIOError as exc:
@@ -214,6 +218,8 @@ class SnapshotStore:
             header = read_safetensors_header(self._root / persist.WEIGHTS / sv.file)
         except OldLogitError:
             return False
+        if sv.kind == "adapter":
+            return self._adapters.file_ok(sv)
         if sv.kind == "patch":
             return header.file_size == sv.file_nbytes and sv.parent is not None
         found = {n: (e.dtype, e.shape) for n, e in header.tensors.items()}
@@ -246,6 +252,12 @@ class SnapshotStore:
         """Pin a retained version in device memory (``residency.unpin`` it after use);
         ``wanted`` and ``uses`` as in ``Residency.pin``."""
         sv = self.registry.get(version)  # UnknownVersion / VersionEvicted
+        if sv.kind == "adapter":
+            raise InvalidRequest(
+                f"policy_version {version} is an adapter version: its base {sv.base} is pinned "
+                "and the adapter applied (SnapshotStore.adapter)",
+                parameter="policy_version",
+            )
         self.registry.touch(version)
         try:
             return self.residency.pin(version, sv.nbytes, wanted, uses=uses)
@@ -303,6 +315,7 @@ class SnapshotStore:
                 files = self.registry.remove(gone, replace={}, evicted=True)
                 for v in gone:
                     self.residency.retire(v)
+                    self._adapters.forget(v)
                 persist.quarantine(self._root, sv.file)
                 persist.remove_files(
                     self._root / persist.WEIGHTS, [f for f in files if f != sv.file]
@@ -378,6 +391,42 @@ class SnapshotStore:
         self._retain()
         return out
 
+    def publish_adapter(
+        self,
+        version: int,
+        path: Path | str,
+        *,
+        base_version: int,
+        expected_sha256: str | None = None,
+    ) -> PublishOutcome:
+        """Publish an adapter version from a safetensors file of LoRA tensors (its config in
+        the metadata, ``oldlogit.contract.adapters``) over the retained ``base_version``."""
+        version = check_version(version)
+        base_version = check_version(base_version, "base_version")
+        expected = check_sha(expected_sha256)
+        self._check_open()
+        out = self._adapters.publish(version, Path(path), base_version, expected)
+        self._retain()
+        return out
+
+    def adapter_base(self, version: int) -> int | None:
+        """An adapter version's base version; None for full weights (errors if not retained)."""
+        return self.registry.get(check_version(version)).base
+
+    def adapter(self, version: int) -> StoredAdapter:
+        """An adapter version's config and tensors (CPU), read hash-checked once and kept."""
+        sv = self.registry.get(check_version(version))
+        if sv.kind != "adapter":
+            raise InvalidRequest(
+                f"policy_version {version} is not an adapter version", parameter="policy_version"
+            )
+        self._check_open()
+        self.registry.touch(version)
+        try:
+            return self._adapters.load(sv)
+        except persist.CorruptSnapshot as exc:
+            raise self.quarantine(version, exc) from exc
+
     def adopt(self, version: int, path: Path, expected_sha256: str) -> PublishOutcome:
         """Take in a version another replica published to the shared volume (scale-out)."""
         version = check_version(version)
@@ -432,6 +481,7 @@ class SnapshotStore:
             raise
         for v in versions:
             self.residency.retire(v)
+            self._adapters.forget(v)
         for v in rewrites:
             self.residency.forget_patch(v)  # it was against the old parent
         persist.remove_files(self._root / persist.WEIGHTS, files)
@@ -558,6 +608,7 @@ class SnapshotStore:
             in_use=self.residency.pins(v),
             file=sv.file,
             patch_cached=self.residency.has_patch(v),
+            base=sv.base,
         )
 
     def versions(self) -> list[VersionRecord]:

@@ -43,6 +43,7 @@ from oldlogit.contract.types import (
     VersionInfo,
 )
 from oldlogit.parity import BUFFER_CONVENTION
+from oldlogit.parity.kernels.cuda.gemm_choice import decided as gemm_choices
 from oldlogit.parity.trace import MAX_TRACE_TOKENS
 from oldlogit_service import __version__
 from oldlogit_service.cache import ResultCacheBackend
@@ -485,6 +486,8 @@ class Runtime:
             numerics_config=dict(spec.config),
             attention_windows=dict(spec.windows),
             hardware=spec.hardware,
+            kernels=spec.kernels,
+            gemm_choices=gemm_choices(),
             tp_chunks=spec.tp_chunks,
             tensor_parallel=self.ranks.degree if self.ranks is not None else 1,
             ranks=self._rank_infos(),

@@ -1,9 +1,10 @@
-"""The invariant numerics on CUDA: one cuBLAS shape per tile, per-sequence attention.
+"""The invariant numerics on CUDA: one GEMM per linear over all rows (cuBLASLt where probed
+row-invariant, else Triton), Triton row kernels, per-sequence attention.
 
 Skipped without CUDA (``gpu`` marker). The same properties as the CPU tests: a row's bits do not
 depend on the other rows, a trainer's micro-batch, padding or packing changes no bit, and a
 trainer on the GPU scores what the service's engine serves from it, bitwise, in every
-architecture family.
+architecture family. The GEMM choice's probe at a 1.5B model's shapes prints what it chose.
 """
 
 from __future__ import annotations
@@ -172,3 +173,77 @@ def test_packed_and_alone_agree_at_a_real_width_on_cuda(
         }
     for seed in range(4):
         assert self_check(engine, weights, seed=seed) > 0
+
+
+# Qwen2.5-1.5B's linears (weight [N, K], bias): q, k/v, o, gate/up, down, the head.
+QWEN_1_5B = [
+    (1536, 1536, True),
+    (256, 1536, True),
+    (1536, 1536, False),
+    (8960, 1536, False),
+    (1536, 8960, False),
+    (151936, 1536, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_gemm_choice_at_1_5b_shapes_is_row_invariant_and_repeatable(dtype):
+    """The probe decides each shape (forward, and the input gradient's transposed weight); the
+    decision is printed (``-s``), repeated identically with a cleared cache, and the GEMM it
+    picked gives each row its bits whatever the row count, beyond M_MAX rows too."""
+    from oldlogit.parity.kernels.cuda import gemm_choice
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    chosen = {}
+    for n, k, bias in QWEN_1_5B:
+        weight = (torch.randn(n, k, generator=gen, device="cuda") * 0.05).to(dtype)
+        b = torch.randn(n, generator=gen, device="cuda").to(dtype) if bias else None
+        for w, bb in ((weight, b), (weight.t(), None)):  # a linear and its input gradient
+            choice = gemm_choice.choice_for(w, bb)
+            key = gemm_choice.key_for(w, bb)
+            chosen[key] = choice
+            x = torch.randn(gemm_choice.M_MAX + 300, w.shape[1], generator=gen, device="cuda")
+            x = x.to(dtype)
+            whole = gemm_choice.gemm(x, w, bb)
+            for m in (1, 5, 64, 100, 1000, 4097, gemm_choice.M_MAX + 1):
+                assert torch.equal(gemm_choice.gemm(x[:m], w, bb), whole[:m]), (key, choice, m)
+            del x, whole
+    print({f"{k.n}x{k.k}{' bias' if k.bias else ''}{' T' if k.transposed else ''}": c
+           for k, c in chosen.items()})  # fmt: skip
+    print(gemm_choice.blas_version(), gemm_choice.workspace_setting())
+    saved = dict(gemm_choice._decided)
+    gemm_choice._decided.clear()
+    try:
+        for key, choice in chosen.items():
+            assert gemm_choice.choose(key, gemm_choice.torch_gemm, "cuda") == choice, key
+    finally:
+        gemm_choice._decided.update(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_patched_forward_on_cuda_runs_one_gemm_per_linear(dtype, monkeypatch):
+    """No 64-row tiles on CUDA: each linear (2 layers of 7, and the head) is one GEMM call,
+    cuBLASLt or Triton, whatever the batch; the norms are one Triton call each."""
+    from oldlogit.parity import tiles
+    from oldlogit.parity.kernels.cuda import gemm_choice, rms_norm
+
+    calls = {"gemm": 0, "norm": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(gemm_choice, "torch_gemm", counting("gemm", gemm_choice.torch_gemm))
+    monkeypatch.setattr(gemm_choice, "triton_gemm", counting("gemm", gemm_choice.triton_gemm))
+    monkeypatch.setattr(rms_norm, "rms_norm", counting("norm", rms_norm.rms_norm))
+    monkeypatch.setattr(tiles, "_tiles", None)  # reached: a TypeError
+    model = _model("qwen2", dtype, seed=4).cuda()
+    ids = torch.randint(3, 200, (3, 150), device="cuda")
+    with torch.no_grad(), trainer_numerics(model):
+        token_logprobs(model, ids[:, :2])  # the probes run here, through torch_gemm
+        calls.update(gemm=0, norm=0)
+        token_logprobs(model, ids)
+    assert calls == {"gemm": 2 * 7 + 1, "norm": 2 * 2 + 1}

@@ -44,7 +44,10 @@ DEFAULT_TP_CHUNKS = 8
 # different revisions may disagree in last bits, and result caches keyed on another revision
 # are never read. 3: on a GPU, reductions over the last dimension in fixed row blocks,
 # attention operands as fresh copies and cuDNN's attention kernel off (CPU bits unchanged).
-NUMERICS_REVISION = 3
+# 4: the CUDA definition's kernels (``NumericsSpec.kernels``): one GEMM per linear over all rows
+# (cuBLASLt where probed row-invariant, else Triton), Triton row kernels for sums, means,
+# RMSNorm and the head's processing (CPU bits unchanged).
+NUMERICS_REVISION = 4
 
 # How the service gets the floating buffers a forward reads that are not weights (rotary
 # ``inv_freq``, embedding scales): built from the config at the serving dtype by transformers'
@@ -166,6 +169,11 @@ class NumericsSpec:
     # instruction set ATen's kernels use (AVX2 and AVX-512 give other bits, measured), on CUDA
     # the GPU's name and compute capability (cuBLAS picks kernels per architecture).
     hardware: str = ""
+    # The kernel set computing the forward ("": unknown, an older service): "cpu/tiles", or the
+    # CUDA definition's — one GEMM per linear (cuBLASLt where a probe seeded from the shape
+    # shows its rows invariant, else the named Triton GEMM), Triton row kernels, and the
+    # library versions the GEMM choice depends on (oldlogit.parity.kernels.kernel_set).
+    kernels: str = ""
 
     @property
     def key(self) -> str:
@@ -181,6 +189,7 @@ class NumericsSpec:
             f"/tf={self.transformers_version or '-'}/buffers={buffers}"
             + (f"/tp_chunks={self.tp_chunks}" if self.tp_chunks else "")
             + (f"/hw={self.hardware}" if self.hardware else "")
+            + (f"/kernels={self.kernels}" if self.kernels else "")
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -207,6 +216,11 @@ class NumericsSpec:
             out.append(
                 f"hardware: {self.hardware} here, {other.hardware} there (kernels are picked "
                 "per processor: run the trainer's forward on the service's kind)"
+            )
+        if self.kernels and other.kernels and self.kernels != other.kernels:
+            out.append(
+                f"kernels: {self.kernels} here, {other.kernels} there (another kernel set or "
+                "library build computes other bits: run both sides on the same one)"
             )
         cpu = self.device_kind == "cpu" and other.device_kind == "cpu"
         thread_free = self.tp_chunks > 0 and other.tp_chunks > 0

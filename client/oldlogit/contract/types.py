@@ -542,6 +542,12 @@ class Info(_Model):
     # The processor the kernels were picked for (CPU instruction set; GPU name and compute
     # capability): a trainer on another kind computes other bits ("": unknown).
     hardware: str = ""
+    # The kernel set computing the forward (``NumericsSpec.kernels``; "": an older server), and
+    # on CUDA each GEMM shape's kernel as chosen so far ("NxK dtype ... on GPU" → "cublaslt" or
+    # "triton"; decided by a probe seeded from the shape, so a trainer on the same platform
+    # chooses alike).
+    kernels: str = ""
+    gemm_choices: dict[str, str] = Field(default_factory=dict)
     # The tensor-parallel definition's chunk count (0: off; docs/exactness.md, "Tensor
     # parallelism"): part of the numerics a trainer must match.
     tp_chunks: int = 0
@@ -588,4 +594,5 @@ class Info(_Model):
             config=tuple(sorted(self.numerics_config.items())),
             windows=tuple(sorted(self.attention_windows.items())),
             hardware=self.hardware,
+            kernels=self.kernels,
         )

@@ -23,6 +23,7 @@ from oldlogit.contract.numerics import SamplingParams
 
 from . import routing, tensor_parallel
 from .attention import plan_segments, planned
+from .kernels import for_device
 from .numerics import active_patch, head_fp32_override, run_plain, unwrap_model
 from .skeleton import bound_weights
 
@@ -36,7 +37,9 @@ __all__ = [
 ]
 
 # Rows per slice of the float32 processing stage: bounds [rows, V] float32 temporaries (the
-# top-p sort holds several of them). Processing is row-wise, so the slice size is not numerics.
+# top-p sort holds several of them). Processing is row-wise, so the slice size is not numerics
+# (on CPU a row's bits do not depend on the row count; on CUDA the processing runs Triton row
+# kernels for that reason: ``_cuda_processed``).
 # At most PROCESS_BYTES of float32 per temporary: small enough for the allocator to reuse freed
 # memory, where larger blocks are mapped fresh (and page-faulted) on every slice — measured on
 # CPU at a 151,936-token vocabulary: 508 rows in 64-row slices 5× slower than in 13-row ones.
@@ -66,6 +69,8 @@ def processed_logprobs(
             f"{list(targets.shape)}"
         )
     step = max(1, min(PROCESS_ROWS, PROCESS_BYTES // (4 * max(1, logits_rows.shape[-1]))))
+    if not tp_chunks and for_device(logits_rows.device) == "cuda":
+        return _cuda_processed(logits_rows, targets, sampling, step)
     if tp_chunks:
 
         def rows_of(lg: Tensor, tg: Tensor) -> Tensor:
@@ -82,6 +87,53 @@ def processed_logprobs(
     if not parts:
         return logits_rows.new_empty(0, dtype=torch.float32)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _cuda_processed(logits: Tensor, targets: Tensor, sampling: SamplingParams, step: int) -> Tensor:
+    """The CUDA definition's processing (``kernels.for_device``): Triton kernels that compute
+    one row per program, so a row's bits do not depend on the rows beside it
+    (kernels/cuda/log_softmax.py, row_cumsum.py). Temperature only: one fused call over all
+    rows (float32 cast, ÷ temperature, log-softmax, gather). With top-k/top-p: slices of
+    ``step`` rows (bounded [s, V] temporaries; not numerics, rows being independent), each
+    filtered as ``filter_rows`` does with the kernels' softmax and prefix sum, then the fused
+    call at temperature 1."""
+    from .kernels.cuda import log_softmax as kernels
+
+    if logits.shape[0] == 0:
+        return logits.new_empty(0, dtype=torch.float32)
+    vocab = logits.shape[-1]
+    if not ((0 < sampling.top_k < vocab) or sampling.top_p < 1.0):
+        out: Tensor = kernels.token_logprobs(logits, targets, sampling.temperature)
+        return out
+    parts = []
+    for a in range(0, targets.shape[0], step):
+        x = _cuda_filter(logits[a : a + step].float(), sampling)
+        parts.append(kernels.token_logprobs(x, targets[a : a + step], 1.0))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _cuda_filter(x: Tensor, sampling: SamplingParams) -> Tensor:
+    """``filter_rows`` with the CUDA definition's row kernels for its softmax and prefix sum
+    (which tokens are removed takes no gradient)."""
+    from .kernels.cuda.log_softmax import log_softmax
+    from .kernels.cuda.row_cumsum import row_cumsum
+
+    if sampling.temperature != 1.0:
+        x = x / sampling.temperature
+    if 0 < sampling.top_k < x.shape[-1]:
+        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]  # [s, 1]: exact selection
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        with torch.no_grad():
+            probs = torch.exp(log_softmax(x.detach()))  # [s, V]
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+            cumulative = row_cumsum(sorted_probs)  # [s, V]
+            before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+            keep = torch.empty_like(before, dtype=torch.bool).scatter_(
+                -1, order, before < sampling.top_p
+            )
+        x = x.masked_fill(~keep, float("-inf"))
+    return x
 
 
 def _processed_rows(logits: Tensor, targets: Tensor, sampling: SamplingParams) -> Tensor:

@@ -68,6 +68,7 @@ from .attention import (
     expecting_windows,
     plan_for,
 )
+from .kernels import for_device, kernel_set
 from .ops import ActiveDropout, RandomForward, TileMode, UncoveredMatmul, stable_topk
 from .settings import default_kernel_settings
 from .setups import ComputeDtype, clean_name, compute_dtype, foreign_code, sharded_precision
@@ -164,11 +165,15 @@ def _tile_mode(patch: NumericsPatch | None, head: nn.Module | None, fp32: bool) 
         strict = patch.strict if patch is not None else False
         tp_chunks = patch.tp_chunks if patch is not None else 0
         tied = patch.tied_head if patch is not None else False
-        gpu = patch is None or patch.device_type != "cpu"
+        device_type = "cuda" if patch is None else patch.device_type
+        cuda = for_device(torch.device(device_type)) == "cuda"
+        gpu = device_type != "cpu" or cuda
         with (
-            TileMode(tile_rows, strict, head, fp32, tp_chunks, tied, gpu=gpu),
+            TileMode(tile_rows, strict, head, fp32, tp_chunks, tied, gpu=gpu, cuda=cuda),
             attention.thread_count_free(tp_chunks > 0),
-            default_kernel_settings() if patch is not None else nullcontext(),
+            default_kernel_settings(cuda=device_type == "cuda")
+            if patch is not None
+            else nullcontext(),
         ):
             yield
     finally:
@@ -550,6 +555,7 @@ def local_spec(
         tp_chunks=tp_chunks,
         config=config_fields(config),
         hardware=hardware_name(weight.device if weight.device.type != "meta" else "cpu"),
+        kernels=kernel_set(weight.device if weight.device.type != "meta" else "cpu"),
     )
 
 

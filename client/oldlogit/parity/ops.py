@@ -3,10 +3,10 @@
 In: every torch function call a patched model makes (a ``TorchFunctionMode``) — but those of
 the invariant attention's SDPA path, which calls nothing ruled and runs outside the mode
 (``attention.invariant_attention``). Out: the same call made batch-invariant, or refused:
-- ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``), the head optionally in
-  float32; under ``tp_chunks`` through the tensor-parallel definition
-  (``tensor_parallel.linear``: DTensor weights over their mesh, plain ones over the ranks of
-  ``tensor_parallel.use``);
+- ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``; on CUDA one GEMM over
+  all rows, kernels/cuda/gemm_choice.py), the head optionally in float32; under ``tp_chunks``
+  through the tensor-parallel definition (``tensor_parallel.linear``: DTensor weights over
+  their mesh, plain ones over the ranks of ``tensor_parallel.use``);
 - ``torch.topk`` follows one explicit rule (``stable_topk``), so MoE routing picks the same
   experts, in the same order, whatever the batch — or, under a replayed routing, the given
   experts (``routing.routed_topk``);
@@ -16,8 +16,9 @@ the invariant attention's SDPA path, which calls nothing ruled and runs outside 
   depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
   GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``pointwise.blockwise``;
 - a reduction over the last dimension of a GPU tensor (sum, mean, var, norm, logsumexp, …: an
-  RMSNorm's mean) runs in fixed blocks of rows: CUDA picks a reduction's launch configuration
-  from the number of rows — ``rowwise.last_dim_rows``;
+  RMSNorm's mean) runs in fixed blocks of rows, or a sum/mean on CUDA as one row per program:
+  CUDA picks a reduction's launch configuration from the number of rows —
+  ``rowwise.last_dim_rows``;
 - any other matmul with a contracted dimension > 1 raises ``UncoveredMatmul`` (strict mode);
 - a random draw raises ``RandomForward`` (strict mode): no other forward — the service's
   least of all — can give the same bits. A dropout that is on (training, p > 0: an
@@ -255,7 +256,8 @@ RULED_ANYWHERE: frozenset[Callable[..., Any]] = (
 class TileMode(TorchFunctionMode):
     """The rules of the module docstring. ``tile_rows=None`` (the plain profile) changes
     nothing but the head's dtype when ``fp32`` asks for it; ``gpu=False`` (a model on CPU)
-    leaves the reduction rule out of the per-call path."""
+    leaves the reduction rule out of the per-call path; ``cuda``: the CUDA definition's
+    kernels (``kernels.for_device``)."""
 
     def __init__(
         self,
@@ -266,6 +268,7 @@ class TileMode(TorchFunctionMode):
         tp_chunks: int = 0,
         tied_head: bool = False,
         gpu: bool = True,
+        cuda: bool = False,
     ) -> None:
         super().__init__()
         self.tp_chunks = tp_chunks
@@ -283,6 +286,8 @@ class TileMode(TorchFunctionMode):
             if tile_rows is None
             else _TOPKS | _POINTWISE | _MATMULS | _RANDOM | set(_DROPOUTS)
         )
+        # The CUDA definition's kernels (``kernels.for_device``): regions.py's norm takes them.
+        self.cuda = tile_rows is not None and cuda
         if tile_rows is not None and gpu:  # a CPU model's reductions pass straight through
             self._ruled = self._ruled | set(REDUCTIONS)
 

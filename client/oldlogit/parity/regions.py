@@ -12,8 +12,9 @@ paired in one process.
 Two regions, the code shared by the Llama family (Llama, Qwen2/3, Mistral, Mixtral, Qwen-MoE,
 DeepSeek-V3, Granite, SmolLM3, ...):
 - ``RMSNorm.forward``: float32 → mean of squares → × rsqrt(· + eps) → input dtype → × weight;
-  its ``pow``, ``mean`` and ``rsqrt`` go through the mode's rules (blockwise on CPU, fixed row
-  blocks for a GPU's mean), the rest are exact ops no rule touches;
+  its ``pow``, ``mean`` and ``rsqrt`` go through the mode's rules (blockwise on CPU), the rest
+  are exact ops no rule touches; under the CUDA definition the whole norm is one call of the
+  Triton kernel (kernels/cuda/rms_norm.py), that order in one row per program;
 - ``apply_rotary_pos_emb`` (with its module's ``rotate_half``): views, products, sums, a
   negation and a concatenation, none of which any rule touches (``UNRULED``), so it runs as
   it is. It is a module-level function: while a model is patched its module's global is a
@@ -90,6 +91,12 @@ def _rms_norm(module: nn.Module, original: Callable[[Tensor], Tensor], hidden: T
     weight: Any = module.weight
     if mode is None or type(hidden) is not Tensor or type(weight) not in _PLAIN:
         return original(hidden)
+    if mode.cuda:  # the CUDA definition: one Triton call per norm (kernels/cuda/rms_norm.py)
+        from .kernels.cuda.differentiable import rms_norm
+
+        with torch._C.DisableTorchFunction():
+            eps: Any = module.variance_epsilon
+            return rms_norm(hidden, weight, float(eps))
     call = mode.call
     with torch._C.DisableTorchFunction():
         input_dtype = hidden.dtype

@@ -1,5 +1,5 @@
 """Reductions over the last dimension whose every row gets the same bits whatever the number of
-rows, on a GPU.
+rows, on a GPU: sums and means by a Triton row kernel, the others in fixed row blocks.
 
 In: a reduction torch call (``sum``, ``mean``, ``var``, ``std``, ``logsumexp``, ``norm``, …) over
 the last dimension of a tensor on a GPU. Out: the same values as the definition — the rows in
@@ -8,9 +8,11 @@ in one call per chunk of up to ``CHUNK_ROWS`` rows where that was checked to giv
 bits. On CUDA torch picks a reduction's launch configuration (how a row is split over a block's
 threads and, for long rows, over blocks) from the number of rows as well as their length, so a
 row's sum can change with the other rows (measured on an H100: a float32 mean over 896 values
-gives other bits for 1–15 rows than for 1,000). A CPU reduction computes each row in the same
-vector code whatever the rows, and is left as it is. Used by ``ops.TileMode``. A leaf besides
-``pointwise.seeded_randn``.
+gives other bits for 1–15 rows than for 1,000). On CUDA (``kernels.for_device``) a ``sum`` or
+``mean`` over the last dimension runs instead as one call of a Triton kernel that computes one
+row per program (kernels/cuda/row_reduce.py); ``var``, ``std``, ``norm``, ``logsumexp`` keep the
+blocks. A CPU reduction computes each row in the same vector code whatever the rows, and is
+left as it is. Used by ``ops.TileMode``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .kernels import for_device
 from .pointwise import seeded_randn
 
 __all__ = ["BLOCK_ROWS", "CHUNK_ROWS", "REDUCTIONS", "by_definition", "last_dim_rows"]
@@ -59,9 +62,44 @@ def last_dim_rows(
     dimensions over its last dimension alone; None when the rule does not apply (CPU, a whole
     tensor, other dimensions: the call runs as it is)."""
     x = args[0] if args else kwargs.get("input")
-    if not isinstance(x, Tensor) or x.device.type == "cpu":
+    if not isinstance(x, Tensor):
         return None
+    cuda = for_device(x.device) == "cuda"
+    if x.device.type == "cpu" and not cuda:
+        return None
+    if cuda and func in _ROW_KERNELS:
+        out = _row_kernel(func, x, args, kwargs)
+        if out is not None:
+            return out
     return by_definition(func, args, kwargs)
+
+
+_ROW_KERNELS = frozenset({torch.sum, Tensor.sum, torch.mean, Tensor.mean})
+
+
+def _row_kernel(
+    func: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor | None:
+    """A sum or mean over the last dimension alone (``dim``, ``keepdim``; no ``dtype``, no
+    ``out``) of a floating tensor by the Triton row kernel (one row per program, float32
+    accumulation: kernels/cuda/row_reduce.py), in the input's dtype as torch returns it; None
+    for any other form of the call."""
+    names = ("dim", "keepdim")
+    bound = {**dict(zip(names, args[1:], strict=False)), **kwargs}
+    bound.pop("input", None)
+    if set(bound) - set(names) or x.dim() < 2 or x.numel() == 0 or not x.is_floating_point():
+        return None
+    dim = bound.get("dim")
+    if isinstance(dim, Sequence) and not isinstance(dim, str):
+        dim = dim[0] if len(dim) == 1 else None
+    if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
+        return None
+    from .kernels.cuda import differentiable
+
+    kernel = differentiable.row_sum if func in (torch.sum, Tensor.sum) else differentiable.row_mean
+    out: Tensor = kernel(x.reshape(-1, x.shape[-1])).to(x.dtype)  # [R]
+    shape = (*x.shape[:-1], 1) if bool(bound.get("keepdim", False)) else x.shape[:-1]
+    return out.reshape(shape)
 
 
 def by_definition(

@@ -11,7 +11,8 @@ attention call give other bits (measured on this CPU: oneDNN's bf16 setting, one
 flash attention switched off all did, silently). ``default_kernel_settings`` runs the invariant
 forward with torch's defaults — but cuDNN's attention kernel, off: its forward is not
 deterministic — on the trainer's side and the service's alike, and gives the process its own
-settings back afterwards.
+settings back afterwards. A forward on CUDA also runs with cuBLASLt preferred and its split-K
+and reduced-precision reductions off (kernels/cuda/gemm_choice.py, ``pinned_cublaslt``).
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def _settings() -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Any], ..
 
 
 @contextmanager
-def default_kernel_settings() -> Iterator[None]:
+def default_kernel_settings(cuda: bool = False) -> Iterator[None]:
     """torch's default kernel settings for the duration (see the module docstring), then the
-    process's own again."""
+    process's own again; ``cuda``: with the CUDA definition's GEMM settings too."""
     changed: list[tuple[Callable[[Any], Any], Any]] = []
     try:
         for read, write, default in _settings():
@@ -97,7 +98,13 @@ def default_kernel_settings() -> Iterator[None]:
             if was != default:
                 write(default)
                 changed.append((write, was))
-        yield
+        if cuda:
+            from .kernels.cuda.gemm_choice import pinned_cublaslt
+
+            with pinned_cublaslt():
+                yield
+        else:
+            yield
     finally:
         for write, was in reversed(changed):
             write(was)

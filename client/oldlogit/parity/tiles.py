@@ -16,19 +16,19 @@ is the definition:
   16 vs 17 rows at tile 16, tests/unit/test_tiles.py);
 - CPU bfloat16/float16: one ``mm`` per tile (``bmm`` in bf16 is several times slower than
   ``mm`` on CPU);
-- CUDA: one ``mm`` per tile (one cuBLAS shape; a batched call's kernel may depend on the
-  batch count).
-On every device the whole tiles of an input run as chunks of up to ``CHUNK_ROWS`` rows (a
+- CUDA (``kernels.for_device``): no tiles — one GEMM over all rows whose row bits do not
+  depend on the row count, cuBLASLt where probed so for the shape, else a fixed-tile Triton
+  GEMM (kernels/cuda/gemm_choice.py); ``tile_rows`` does not enter. The input gradient goes
+  the same way (a linear with weight Wᵀ).
+On CPU the whole tiles of an input run as chunks of up to ``CHUNK_ROWS`` rows (a
 multiple of the tile) per GEMM where that gives each of its tiles the very bits of the
 definition: checked once per process for each GEMM shape and chunk size (device, weight shape
 and strides, dtype, bias, thread count) on random rows against the real weight
 (``chunk_verified``), tiles otherwise. A row's bits are still the tile's by definition; the
 chunk is only a faster way to compute them (on CPU a 64-row GEMM runs at a third of a 512-row
 GEMM's speed in bf16 and a 64-row ``bmm`` below one ``mm`` in float32, measured at
-Qwen2.5-0.5B's shapes; on an H100 one 512-row cuBLAS call costs what one 64-row call does, and
-in bf16 most of those shapes verify — a down projection with K = 4,864 does not and keeps its
-tiles). The last, partial tile is zero-padded and computed as the definition says.
-The backward is tiled the same way for the input gradient; the weight gradient is one 2-D GEMM
+Qwen2.5-0.5B's shapes). The last, partial tile is zero-padded and computed as the definition
+says. The backward is tiled the same way for the input gradient; the weight gradient is one 2-D GEMM
 over all rows (a reduction over the batch by definition), so no per-tile weight gradients exist.
 """
 
@@ -42,6 +42,7 @@ from torch import Tensor
 
 from oldlogit.contract.numerics import DEFAULT_TILE_ROWS
 
+from .kernels import for_device
 from .pointwise import seeded_randn
 
 __all__ = [
@@ -128,6 +129,10 @@ def tiled_mm(
     """
     if tile_rows <= 0:
         raise ValueError(f"tile_rows must be positive, got {tile_rows}")
+    if for_device(x.device) == "cuda":  # one GEMM over all rows, no tiles (the docstring)
+        from .kernels.cuda.gemm_choice import gemm
+
+        return gemm(x, weight, bias, out)
     m, k = x.shape
     n_out = weight.shape[0]
     if m == 0:

@@ -27,6 +27,7 @@ from oldlogit.contract.layout import WeightLayout
 from oldlogit.contract.numerics import config_fields
 from oldlogit.contract.types import MoeInfo
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
+from oldlogit.parity.kernels import kernel_set
 from oldlogit.parity.numerics import hardware_name, transformers_version
 from oldlogit.parity.skeleton import buffer_digests, reference_buffers
 from oldlogit_service.model.backends import (
@@ -170,6 +171,7 @@ class LoadedModel:
             config=config_fields(getattr(self.module, "config", None)),
             windows=self.windows,
             hardware=hardware_name(self.device),
+            kernels=kernel_set(self.device),
         )
 
     def moe_info(self) -> MoeInfo | None:

@@ -1131,6 +1131,26 @@ class Info(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class GemmChoicesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_TYPE_FIELD_NUMBER: _builtins.int
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
@@ -1166,6 +1186,8 @@ class Info(_message.Message):
     NUMERICS_CONFIG_FIELD_NUMBER: _builtins.int
     ATTENTION_WINDOWS_FIELD_NUMBER: _builtins.int
     HARDWARE_FIELD_NUMBER: _builtins.int
+    KERNELS_FIELD_NUMBER: _builtins.int
+    GEMM_CHOICES_FIELD_NUMBER: _builtins.int
     model_type: _builtins.str
     """e.g. "qwen2"."""
     architecture: _builtins.str
@@ -1223,6 +1245,11 @@ class Info(_message.Message):
     on CUDA the GPU's name and compute capability ("": unknown). A trainer on another kind
     computes other bits; trainer_numerics(like=...) refuses it by name.
     """
+    kernels: _builtins.str
+    """The kernel set computing the forward: "cpu/tiles", or the CUDA definition's (one GEMM per
+    linear: cuBLASLt where probed row-invariant, else Triton; Triton row kernels; the library
+    versions the choice depends on). "": an older server.
+    """
     @_builtins.property
     def limits(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Request limits by name, e.g. "max_batch_tokens"."""
@@ -1278,6 +1305,10 @@ class Info(_message.Message):
         attention would see other keys is refused.
         """
 
+    @_builtins.property
+    def gemm_choices(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """On CUDA, each GEMM shape's kernel chosen so far ("cublaslt" or "triton"), by shape."""
+
     def __init__(
         self,
         *,
@@ -1316,10 +1347,12 @@ class Info(_message.Message):
         numerics_config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         attention_windows: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
         hardware: _builtins.str = ...,
+        kernels: _builtins.str = ...,
+        gemm_choices: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "moe", b"moe", "tile_rows", b"tile_rows", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "attention_windows", b"attention_windows", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "hardware", b"hardware", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_config", b"numerics_config", "numerics_revision", b"numerics_revision", "ranks", b"ranks", "server_version", b"server_version", "tensor_parallel", b"tensor_parallel", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation", "_tile_rows", b"_tile_rows", "_watermark", b"_watermark", "architecture", b"architecture", "attention", b"attention", "attention_windows", b"attention_windows", "buffer_convention", b"buffer_convention", "buffers", b"buffers", "device", b"device", "dtype", b"dtype", "fast_mode_max_abs_deviation", b"fast_mode_max_abs_deviation", "gemm_choices", b"gemm_choices", "hardware", b"hardware", "head_dtype", b"head_dtype", "ignored_weights", b"ignored_weights", "kernels", b"kernels", "limits", b"limits", "lm_head_fp32", b"lm_head_fp32", "max_positions", b"max_positions", "mode", b"mode", "model_type", b"model_type", "moe", b"moe", "num_parameters", b"num_parameters", "numerics", b"numerics", "numerics_config", b"numerics_config", "numerics_revision", b"numerics_revision", "ranks", b"ranks", "server_version", b"server_version", "tensor_parallel", b"tensor_parallel", "threads", b"threads", "tied_weights", b"tied_weights", "tile_rows", b"tile_rows", "torch_version", b"torch_version", "tp_chunks", b"tp_chunks", "transformers_version", b"transformers_version", "versions", b"versions", "vocab_size", b"vocab_size", "watermark", b"watermark", "weight_sources", b"weight_sources", "weight_specs", b"weight_specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["fast_mode_max_abs_deviation"]  # noqa: Y015
     _WhichOneofArgType__fast_mode_max_abs_deviation: _TypeAlias = _typing.Literal["_fast_mode_max_abs_deviation", b"_fast_mode_max_abs_deviation"]  # noqa: Y015

@@ -1,0 +1,300 @@
+"""Which kernel computes one linear's GEMM on CUDA: cuBLASLt where probed row-invariant, else
+the fixed-tile Triton GEMM (matmul.py); and the one call over all rows that follows.
+
+The choice is a function of a ``GemmKey`` alone, never of the process's history, and the probe
+is seeded from the key: a trainer and a service on the same platform choose alike.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LADDER",
+    "M_MAX",
+    "Choice",
+    "GemmKey",
+    "blas_version",
+    "choice_for",
+    "choose",
+    "decided",
+    "gemm",
+    "key_for",
+    "pinned_cublaslt",
+    "probe",
+    "seed_of",
+    "torch_gemm",
+    "triton_config",
+    "workspace_setting",
+]
+
+Choice = Literal["cublaslt", "triton"]
+
+# Row counts the probe computes alone against the first rows of one M_MAX-row call. cuBLASLt's
+# heuristics see M through a few thresholds — powers of two (tile heights 64/128/256, the wave
+# count over the SMs) and the M == 1 GEMV and small-M (< 16) kernels — so each power of two from
+# 8 to M_MAX is here with its neighbours on both sides (2^k - 1, 2^k, 2^k + 1; M_MAX + 1 is past
+# the probe), plus 1-4, 7 and 1,000 (a non-power mid-size). A kernel that changed between two
+# rungs of the ladder, inside one bucket, would escape; none of the public evidence (vLLM's
+# M=1 vs 8…2048 check, thinking-machines' split-K analysis) points at one.
+LADDER = (
+    1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511,
+    512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 8191, 8192,
+)  # fmt: skip
+# The probe's largest row count; a cuBLASLt call covers at most this many rows, so an input
+# above it runs as consecutive M_MAX-row calls (each probed like any other row count).
+M_MAX = LADDER[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmKey:
+    """Everything a GEMM's kernel choice depends on. ``n``/``k``: the linear's weight [N, K];
+    ``transposed``: the weight is handed over as the transpose of a row-major [K, N] (an input
+    gradient's ``g @ W``) — cuBLAS sees another problem (operand layouts) than for a row-major
+    [N, K]; ``device``: the GPU's name and compute capability; ``torch``/``blas``/``triton``:
+    the builds whose kernels and heuristics are chosen among."""
+
+    n: int
+    k: int
+    dtype: str
+    bias: bool
+    transposed: bool
+    device: str
+    torch: str
+    blas: str
+    triton: str
+
+
+def seed_of(key: GemmKey) -> int:
+    """The probe's seed: a hash of the key, nothing else."""
+    text = repr(dataclasses.astuple(key)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
+
+
+Gemm = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+def probe(
+    key: GemmKey, gemm: Gemm, device: torch.device | str, ladder: tuple[int, ...] = LADDER
+) -> int | None:
+    """The first row count of ``ladder`` whose rows computed alone differ in any bit from the
+    same rows of one ``max(ladder)``-row call; None where none does. Seeded random rows and
+    weight (and bias) of the key's shape, layout and dtype, generated on ``device``."""
+    dtype = getattr(torch, key.dtype)
+    gen = torch.Generator(device=device).manual_seed(seed_of(key))
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    rows = max(ladder)
+    x = randn(rows, key.k)  # [M_max, K]
+    weight = randn(key.k, key.n).t() if key.transposed else randn(key.n, key.k)  # [N, K]
+    bias = randn(key.n) if key.bias else None
+    with torch.no_grad():
+        whole = gemm(x, weight, bias)  # [M_max, N]
+        for m in ladder:
+            alone = gemm(x[:m].clone(), weight, bias)  # a fresh, aligned input of m rows
+            if not torch.equal(alone, whole[:m]):
+                return m
+    return None
+
+
+_decided: dict[GemmKey, Choice] = {}
+_lock = threading.Lock()
+
+
+def choose(
+    key: GemmKey, gemm: Gemm, device: torch.device | str, ladder: tuple[int, ...] = LADDER
+) -> Choice:
+    """The key's choice: "cublaslt" where ``probe`` finds no row count that differs, else
+    "triton". Probed once per key per process."""
+    choice = _decided.get(key)
+    if choice is not None:
+        return choice
+    with _lock:
+        choice = _decided.get(key)
+        if choice is None:
+            choice = "cublaslt" if probe(key, gemm, device, ladder) is None else "triton"
+            _decided[key] = choice
+    return choice
+
+
+def decided() -> dict[str, Choice]:
+    """The choices this process has made, by a readable key (``/v1/info``)."""
+    with _lock:
+        items = list(_decided.items())
+    return {
+        f"{k.n}x{k.k} {k.dtype}{' +bias' if k.bias else ''}{' transposed' if k.transposed else ''}"
+        f" on {k.device}": c
+        for k, c in items
+    }
+
+
+@functools.cache
+def blas_version() -> str:
+    """The cuBLASLt library torch calls (its runtime version), else the CUDA toolkit torch
+    was built with."""
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so.11", "libcublasLt.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        fn = lib.cublasLtGetVersion
+        fn.restype = ctypes.c_size_t
+        return f"cublasLt={int(fn())}"
+    return f"cuda={torch.version.cuda or '-'}"
+
+
+def workspace_setting() -> str:
+    """The cuBLASLt workspace this process runs with. ``CUBLASLT_WORKSPACE_SIZE`` (KiB) is read
+    when a cuBLASLt handle is created, so it cannot be pinned per forward: it is left as the
+    process set it, and named here (a smaller workspace rules out some kernels, so two sides
+    with different settings may choose differently; the spec then says so)."""
+    return f"ws={os.environ.get('CUBLASLT_WORKSPACE_SIZE', 'default')}"
+
+
+@functools.cache
+def triton_config() -> str:
+    """The Triton GEMM's fixed configuration, as matmul.py names it."""
+    try:
+        from . import matmul
+    except ImportError:  # triton not installed: no Triton GEMM
+        return "unavailable"
+    configs = getattr(matmul, "CONFIG", None)
+    if isinstance(configs, dict):
+        return "; ".join(sorted(str(getattr(c, "name", c)) for c in configs.values()))
+    return "fixed-tile"
+
+
+def key_for(weight: Tensor, bias: Tensor | None) -> GemmKey:
+    """The key of a linear with ``weight`` [N, K] (row-major, or the transpose of a row-major
+    [K, N]) on its CUDA device."""
+    from .. import triton_version
+
+    device = weight.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return GemmKey(
+        n=int(weight.shape[0]),
+        k=int(weight.shape[1]),
+        dtype=str(weight.dtype).removeprefix("torch."),
+        bias=bias is not None,
+        transposed=not weight.is_contiguous(),
+        device=f"{torch.cuda.get_device_name(index)} sm_{major}{minor}",
+        torch=str(torch.__version__),
+        blas=blas_version(),
+        triton=triton_version(),
+    )
+
+
+@contextmanager
+def pinned_cublaslt() -> Iterator[None]:
+    """cuBLASLt preferred, split-K and reduced-precision reductions off (bf16 and fp16), TF32
+    off, for a block; what the process had before, afterwards. Cheap when already pinned (the
+    invariant forward pins them for its duration: settings.py); a backward runs outside the
+    forward, so each call pins them itself."""
+    changed: list[tuple[Callable[[Any], Any], Any]] = []
+    for read, write, want in _pins():
+        was = read()
+        if was != want:
+            write(want)
+            changed.append((write, was))
+    try:
+        yield
+    finally:
+        for write, was in reversed(changed):
+            write(was)
+
+
+@functools.cache
+def _pins() -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Any], ...]:
+    matmul = torch.backends.cuda.matmul
+    out: list[tuple[Callable[[], Any], Callable[[Any], Any], Any]] = []
+    for name in (
+        "allow_bf16_reduced_precision_reduction",
+        "allow_fp16_reduced_precision_reduction",
+    ):
+
+        def read(name: str = name) -> Any:
+            return (bool(getattr(matmul, name)), bool(getattr(matmul, name + "_split_k", True)))
+
+        out.append((read, functools.partial(setattr, matmul, name), (False, False)))
+    if hasattr(matmul, "fp32_precision"):  # torch's per-backend precision settings
+        precision = (
+            lambda: matmul.fp32_precision,
+            functools.partial(setattr, matmul, "fp32_precision"),
+        )
+        out.append((*precision, "ieee"))
+    else:
+        tf32 = (lambda: matmul.allow_tf32, functools.partial(setattr, matmul, "allow_tf32"))
+        out.append((*tf32, False))
+    if torch.cuda.is_available():  # a CPU build cannot name cuBLASLt at all
+        blas = torch.backends.cuda.preferred_blas_library
+        out.append((lambda: blas(), blas, torch._C._BlasBackend.Cublaslt))
+    return tuple(out)
+
+
+def torch_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias) in one torch call under ``pinned_cublaslt``."""
+    with pinned_cublaslt():
+        w_t = weight.t()
+        if bias is None:
+            return torch.mm(x, w_t) if out is None else torch.mm(x, w_t, out=out)
+        if out is None:
+            return torch.addmm(bias, x, w_t)
+        return torch.addmm(bias, x, w_t, out=out)
+
+
+def triton_gemm(
+    x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None
+) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias) by the fixed-tile Triton GEMM (matmul.py)."""
+    from .matmul import matmul
+
+    y: Tensor = matmul(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
+def choice_for(weight: Tensor, bias: Tensor | None) -> Choice:
+    """The choice for this linear: probed on its CUDA device; "triton" off CUDA (the test
+    switch of ``kernels.forced_cuda``: there is no cuBLASLt on a CPU)."""
+    if weight.device.type != "cuda":
+        return "triton"
+    return choose(key_for(weight, bias), torch_gemm, weight.device)
+
+
+def gemm(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None
+) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) → [M, N], each row's bits independent of M: one
+    cuBLASLt call per ``M_MAX`` rows where the key was probed row-invariant, else one Triton
+    call. No autograd. ``weight`` is row-major [N, K] or the transpose of a row-major [K, N];
+    any other layout is copied to row-major first."""
+    if not (weight.is_contiguous() or weight.t().is_contiguous()):
+        weight = weight.contiguous()
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty(0, weight.shape[0]) if out is None else out
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous() if not x.is_contiguous() else x.clone()  # cuBLAS reads the alignment
+    if choice_for(weight, bias) == "triton":
+        return triton_gemm(x, weight, bias, out)
+    if m <= M_MAX:
+        return torch_gemm(x, weight, bias, out)
+    out = x.new_empty(m, weight.shape[0]) if out is None else out
+    for start in range(0, m, M_MAX):
+        part = x[start : start + M_MAX]
+        torch_gemm(part if part.data_ptr() % 16 == 0 else part.clone(), weight, bias,
+                   out[start : start + M_MAX])  # fmt: skip
+    return out

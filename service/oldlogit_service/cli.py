@@ -205,6 +205,19 @@ def _parser() -> argparse.ArgumentParser:
     src = pub.add_mutually_exclusive_group(required=True)
     src.add_argument("--weights", type=Path, help="safetensors file or directory to upload")
     src.add_argument("--path", type=Path, help="file or directory the service reads itself")
+    src.add_argument(
+        "--adapter",
+        type=Path,
+        help="a PEFT LoRA adapter's save_pretrained directory, published as an adapter version "
+        "over --base-version",
+    )
+    pub.add_argument(
+        "--base-version",
+        type=int,
+        default=None,
+        dest="base_version",
+        help="the full-weights version an --adapter applies to",
+    )
     pub.add_argument(
         "--delta",
         action="store_true",
@@ -348,9 +361,19 @@ def _publish(args: argparse.Namespace) -> int:
     from oldlogit import Client, OldLogitError
 
     token = args.token or os.environ.get("OLDLOGIT_WRITE_TOKEN")
+    if (args.adapter is None) != (args.base_version is None):
+        print("oldlogit publish: --adapter and --base-version go together", file=sys.stderr)
+        return 2
     try:
         with Client(args.url, token=token, timeout_s=3600.0, **_tls_kwargs(args)) as c:
-            if args.path is not None:
+            if args.adapter is not None:
+                res = c.publish_adapter(
+                    args.policy_version,
+                    args.adapter,
+                    base_version=args.base_version,
+                    progress=not args.no_progress,
+                )
+            elif args.path is not None:
                 res = c.publish(args.policy_version, str(args.path), by_path=True)
             else:
                 res = c.publish(

@@ -4,8 +4,9 @@ In: contract types. Out: contract types, or errors of the tree. This is the one 
 boundary of a request: every method that may block is async and runs its blocking work (disk,
 Redis) in a thread, so the transports are one-line translators and the event loop never waits.
 Flow of a logprobs call: validate/plan → make the versions servable here (``Control.prepare``)
-→ each version's weights by reference and their hash (the store's; a proxy's only when the
-request asks for one or allows it) → result cache (keys hold a sequence's MoE routing record;
+→ each version's weights by reference and their hash (the store's; an adapter version's are
+its base's, its adapter riding on its jobs; a proxy's only when the request asks for one or
+allows it) → result cache (keys hold a sequence's MoE routing record;
 an answer that returns its routing is computed) → scheduler (version-aware batches) → stitch
 per sequence. Versions, leases and the watermark are the deployment's (``Control``, one
 interface whether local or through Redis), and ``info`` reads them from there too.
@@ -51,7 +52,7 @@ from oldlogit_service.cluster.control import Control
 from oldlogit_service.config import Settings
 from oldlogit_service.history import History
 from oldlogit_service.metrics import Metrics, ServiceState
-from oldlogit_service.model.engine import Job, SamplingParams
+from oldlogit_service.model.engine import Job, LoraWeights, SamplingParams
 from oldlogit_service.model.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.model.loaded import LoadedModel, weight_layout_info
 from oldlogit_service.scheduler import Result, Routed, Scheduler, WeightsRef
@@ -220,7 +221,10 @@ class Runtime:
         tolerant = req.allow_inexact or req.proxy is not None
         if any(not self.store.has(v) for v in wanted):  # published elsewhere: adopt it
             await self._blocking(lambda: self.control.prepare(wanted, tolerant=tolerant))
-        weights, hashes = self._weights(wanted, req)
+        bases = {v: b for v in wanted if self.store.has(v) for b in [self.store.adapter_base(v)]}
+        over = {v for v, b in bases.items() if b is not None}
+        loras = await self._blocking(self._loras, over) if over else {}
+        weights, hashes = self._weights(wanted, req, bases)
         pending: list[_Pending] = []
         for plan in plans:
             sp = plan.sampling
@@ -257,6 +261,7 @@ class Runtime:
                         if p.plan.routing is None
                         else torch.from_numpy(p.plan.routing),
                         record_routing=req.return_routing,
+                        adapter=loras.get(p.version),
                     )
                     p.future = self.scheduler.submit(p.weights, job, deadline=deadline)
             waits = [asyncio.wrap_future(p.future) for p in pending if p.future is not None]
@@ -290,25 +295,43 @@ class Runtime:
             results=self._stitch(plans, pending, hashes, routing=req.return_routing)
         )
 
+    def _loras(self, versions: set[int]) -> dict[int, LoraWeights]:
+        """The adapters of adapter versions (the store reads each once and keeps it)."""
+        out = {}
+        for v in versions:
+            a = self.store.adapter(v)
+            out[v] = LoraWeights(a.sha256, a.config.as_dict(), a.tensors)
+        return out
+
     def _weights(
-        self, wanted: set[int], req: LogprobsRequest
+        self, wanted: set[int], req: LogprobsRequest, bases: Mapping[int, int | None]
     ) -> tuple[dict[int, WeightsRef], dict[int, str]]:
         """Each version's weights by reference, and the hash of the weights that answer it.
 
         An exact request (no ``proxy``, no ``allow_inexact``) is the store's version or the
         store's error (``UnknownVersion`` / ``VersionEvicted``). Otherwise ``resolve_hashes``
         decides which versions the EWMA proxy answers, under one snapshot of it per request.
+        An adapter version (``bases``: its base) runs under its base's weights, always exactly:
+        its jobs share the base's queue and batches.
         """
+
+        def ref(v: int) -> WeightsRef:
+            base = bases.get(v)
+            return WeightsRef.stored(v if base is None else base)
+
         if req.proxy is None and not req.allow_inexact:
-            return (
-                {v: WeightsRef.stored(v) for v in wanted},
-                {v: self.store.sha256(v) for v in wanted},
-            )
+            return ({v: ref(v) for v in wanted}, {v: self.store.sha256(v) for v in wanted})
+        adapters = {v for v, b in bases.items() if b is not None}
         snap = self.ewma.snapshot() if self.ewma is not None else None
         hashes, proxied = resolve_hashes(
-            wanted, self.store.sha256, snap, proxy=req.proxy, allow_inexact=req.allow_inexact
+            wanted - adapters,
+            self.store.sha256,
+            snap,
+            proxy=req.proxy,
+            allow_inexact=req.allow_inexact,
         )
-        refs = {v: WeightsRef.stored(v) for v in wanted - proxied}
+        hashes.update((v, self.store.sha256(v)) for v in adapters)
+        refs = {v: ref(v) for v in wanted - proxied}
         if proxied:
             assert snap is not None  # resolve_hashes proxies only under a snapshot
             proxy = WeightsRef.proxy(snap.sha256, snap.weights)
@@ -375,6 +398,8 @@ class Runtime:
         if not self.store.has(version):  # published elsewhere: adopt it
             await self._blocking(lambda: self.control.prepare({version}, tolerant=False))
         sha = self.store.sha256(version)  # UnknownVersion / VersionEvicted
+        base = self.store.adapter_base(version)
+        lora = None if base is None else (await self._blocking(self._loras, {version}))[version]
         n = len(req.token_ids)
         job = Job(
             token_ids=torch.from_numpy(req.token_ids),
@@ -383,10 +408,13 @@ class Runtime:
                 temperature=float(req.temperature), top_k=int(req.top_k), top_p=float(req.top_p)
             ),
             trace=True,
+            adapter=lora,
         )
         timeout = self.settings.request_timeout_s
         future = self.scheduler.submit_trace(
-            WeightsRef.stored(version), job, deadline=time.monotonic() + timeout
+            WeightsRef.stored(version if base is None else base),
+            job,
+            deadline=time.monotonic() + timeout,
         )
         try:
             stages = await asyncio.wait_for(asyncio.wrap_future(future), timeout=timeout)

@@ -24,17 +24,21 @@ and replayed (``oldlogit.parity.routing``), and ``record_routing`` returns what 
 used (``Engine.score``).
 A trace job (``Job.trace``) runs alone through ``Engine.trace``: the digests of every stage of
 the sequence's forward (``oldlogit.parity.trace.forward_trace``, the function trainers run).
+A job with a LoRA adapter (``Job.adapter``, an adapter version over the batch's weights) gets
+it on its rows (``oldlogit.parity.lora.serving_adapters``): jobs of several adapters and of the
+bare weights share one forward, each linear's base GEMM once over all rows.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,6 +47,7 @@ from torch import Tensor
 from oldlogit.contract.errors import InvalidRequest, OutOfMemory
 from oldlogit.parity import routing
 from oldlogit.parity.logprobs import decoder_hidden, row_logits
+from oldlogit.parity.lora import Adapter, LoraSpec, check_adapter, serving_adapters
 from oldlogit.parity.trace import TraceStage, forward_trace
 from oldlogit_service.model.backends import TransformersBackend
 from oldlogit_service.model.loaded import LoadedModel
@@ -59,6 +64,7 @@ __all__ = [
     "Engine",
     "EngineMode",
     "Job",
+    "LoraWeights",
     "NumericsCheckFailed",
     "SamplingParams",
     "Scored",
@@ -99,6 +105,20 @@ def cpu_forward_tokens(config: Mapping[str, object], dtype: torch.dtype, tile_ro
     return max(512, tokens - tokens % tile)
 
 
+# Adapters kept on the device (by hash) for the batches that follow: small next to a version.
+ADAPTERS_ON_DEVICE = 32
+
+
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    """A LoRA adapter a job runs with over the batch's weights, named by its hash: its
+    ``LoraSpec.as_dict()`` and tensors (``<module>.lora_A`` [r, in], ``.lora_B`` [out, r])."""
+
+    sha256: str
+    spec: Mapping[str, Any]
+    tensors: Mapping[str, Tensor]
+
+
 class NumericsCheckFailed(RuntimeError):
     """A packed batch differs from the same sequences run alone: the invariant profile cannot
     be promised on this platform (raised by ``self_check`` at start-up)."""
@@ -121,6 +141,7 @@ class Job:
     trace: bool = False
     routing: Tensor | None = None  # [T, L, k] integer expert ids, CPU; −1 rows: free
     record_routing: bool = False
+    adapter: LoraWeights | None = None  # applied on this job's rows only
 
 
 @dataclass(frozen=True)
@@ -141,6 +162,7 @@ class _Group:
     routing: Tensor | None = None  # [T, L, k], as the jobs give it
     record: bool = False  # some job wants the routing back
     recorded: Tensor | None = None  # [T − 1, L, k] int32, CPU, once run
+    adapter: LoraWeights | None = None  # the jobs' adapter (all the same)
 
 
 class Engine:
@@ -180,6 +202,7 @@ class Engine:
             # Whole tiles per head call: only the last call's last tile is padded.
             self.head_rows -= self.head_rows % tile
         self._warned_weights_device = False
+        self._adapters: collections.OrderedDict[str, Adapter] = collections.OrderedDict()
         # The MoE blocks a routing record describes (None: a dense model, or no replay here).
         self.moe = (
             routing.moe_layout(model.module)
@@ -209,6 +232,13 @@ class Engine:
                 )
         if not jobs:
             return []
+        padded = self.model.profile != "invariant" and self.mode == "fast"
+        if padded and any(job.adapter is not None for job in jobs):
+            raise InvalidRequest(
+                "adapter versions are not served in --mode fast under --numerics hf (padded "
+                "forwards): use deterministic mode or the invariant numerics",
+                parameter="policy_version",
+            )
         with _map_oom(), torch.inference_mode():
             weights = self._on_device(weights)
             groups = _group_by_sequence(jobs)
@@ -241,13 +271,14 @@ class Engine:
         with _map_oom(), torch.inference_mode():
             weights = self._on_device(weights)
             ids = job.token_ids[None].to(self.model.device)  # [1, T]
-            return forward_trace(
-                self.model.module,
-                ids,
-                sampling=job.sampling,
-                weights=weights,
-                lm_head_fp32=self.lm_head_fp32,
-            )
+            with self._lora([(0, int(ids.shape[1]), job.adapter)]):
+                return forward_trace(
+                    self.model.module,
+                    ids,
+                    sampling=job.sampling,
+                    weights=weights,
+                    lm_head_fp32=self.lm_head_fp32,
+                )
 
     # ----------------------------------------------------------------- invariant: packed
 
@@ -281,7 +312,14 @@ class Engine:
                 )
 
             placed = list(zip(batch, starts, strict=True))
-            with routing.use(replay) if replay is not None else nullcontext():
+            # Each adapter on its groups' rows; the base weights' GEMMs once over all rows.
+            loras = [
+                (st, st + n, g.adapter) for g, st, n in zip(batch, starts, lengths, strict=True)
+            ]
+            with (
+                self._lora(loras),
+                routing.use(replay) if replay is not None else nullcontext(),
+            ):
                 self._score(jobs, placed, ids_dev, logits, outs)
                 if replay is not None and replay.record and not replay.recorded:
                     # Nothing scored, so no forward ran: run the decoder for the routing alone.
@@ -382,7 +420,8 @@ class Engine:
             n = int(group.token_ids.shape[0])
             ids = group.token_ids.to(device, non_blocking=True)  # [T]
             # The reference's forward: the whole sequence, alone, unpadded, no mask.
-            hidden = self.model.hidden_states(weights, ids[None, :], None)[0]  # [T, H]
+            with self._lora([(0, n, group.adapter)]):
+                hidden = self.model.hidden_states(weights, ids[None, :], None)[0]  # [T, H]
             members = [(jobs[i], i) for i in group.job_indices]
             # Hidden row r predicts token r + 1, so position p is scored from row p - 1.
             rows_cpu = {i: job.positions - 1 for job, i in members}  # [S] each, sorted
@@ -439,6 +478,34 @@ class Engine:
 
     # ------------------------------------------------------------------------------ helpers
 
+    def _lora(
+        self, rows: Sequence[tuple[int, int, LoraWeights | None]]
+    ) -> AbstractContextManager[None]:
+        """``serving_adapters`` over the rows that have an adapter (nothing when none has)."""
+        if all(a is None for _, _, a in rows):
+            return nullcontext()
+        return serving_adapters(
+            self.model.module, [(s, e, self._adapter(a)) for s, e, a in rows if a is not None]
+        )
+
+    def _adapter(self, lora: LoraWeights) -> Adapter:
+        """The adapter on the serving device, checked against the model once, kept by hash."""
+        got = self._adapters.get(lora.sha256)
+        if got is not None:
+            self._adapters.move_to_end(lora.sha256)
+            return got
+        device = self.model.device
+        tensors = {k: t.to(device, non_blocking=True) for k, t in lora.tensors.items()}
+        got = Adapter(LoraSpec.from_dict(lora.spec), tensors)
+        try:
+            check_adapter(got, {n: shape for n, (_, shape) in self.model.param_specs.items()})
+        except ValueError as exc:
+            raise InvalidRequest(f"the adapter does not fit this model: {exc}") from exc
+        self._adapters[lora.sha256] = got
+        while len(self._adapters) > ADAPTERS_ON_DEVICE:
+            self._adapters.popitem(last=False)
+        return got
+
     def _on_device(self, weights: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         device = self.model.device
         if all(t.device == device for t in weights.values()):
@@ -472,15 +539,16 @@ def _check_job(job: Job) -> None:
 
 
 def _group_by_sequence(jobs: Sequence[Job]) -> list[_Group]:
-    groups: dict[tuple[bytes, bytes | None], _Group] = {}
+    groups: dict[tuple[bytes, bytes | None, str | None], _Group] = {}
     for i, job in enumerate(jobs):
         ids = job.token_ids.cpu()
         replay = None if job.routing is None else job.routing.cpu().to(torch.int32)
         # A record is large (T × L × k ids): jobs share a forward by its digest.
         digest = None if replay is None else hashlib.sha256(replay.numpy().tobytes()).digest()
-        key = (ids.numpy().tobytes(), digest)
+        lora = job.adapter
+        key = (ids.numpy().tobytes(), digest, None if lora is None else lora.sha256)
         if key not in groups:
-            groups[key] = _Group(token_ids=ids, job_indices=[], routing=replay)
+            groups[key] = _Group(token_ids=ids, job_indices=[], routing=replay, adapter=lora)
         groups[key].job_indices.append(i)
         groups[key].record |= job.record_routing
     return list(groups.values())

@@ -48,7 +48,7 @@ def _log_softmax_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         mask = start + cols < V
         y = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        y = y / temperature
+        y = tl.math.div_rn(y, temperature)  # IEEE: Triton's `/` is div.full (2 ulp)
         m_new = tl.maximum(m, tl.max(y, axis=0))
         # While the row so far is all −inf (masked tokens), shift by 0 rather than by −inf.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -58,7 +58,8 @@ def _log_softmax_kernel(  # type: ignore[no-untyped-def]
     if GATHER:
         t = tl.load(targets_ptr + row).to(tl.int64)
         valid = (t >= 0) & (t < V)  # out of range → NaN, never a read outside the row
-        y_t = tl.load(x_row + t, mask=valid, other=float("nan")).to(tl.float32) / temperature
+        y_t = tl.load(x_row + t, mask=valid, other=float("nan")).to(tl.float32)
+        y_t = tl.math.div_rn(y_t, temperature)
         tl.store(out_ptr + row, (y_t - m) - log_s)
         tl.store(lse_ptr + row, m + log_s)
     else:
@@ -67,7 +68,7 @@ def _log_softmax_kernel(  # type: ignore[no-untyped-def]
         for start in range(0, V, BLOCK):
             mask = start + cols < V
             y = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            y = y / temperature
+            y = tl.math.div_rn(y, temperature)
             tl.store(out_row + start + cols, (y - m) - log_s, mask=mask)
 
 

@@ -48,7 +48,7 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, H, BLOCK):
         x = tl.load(x_row + start + cols, mask=start + cols < H, other=0.0).to(tl.float32)
         acc += x * x
-    mean = tl.sum(acc, axis=0) / H
+    mean = tl.math.div_rn(tl.sum(acc, axis=0), tl.cast(H, tl.float32))  # IEEE, not div.full
     r = tl.rsqrt(mean + eps)
     # Pass 2: y = x·r, then the weight in the model's order.
     for start in range(0, H, BLOCK):

@@ -31,18 +31,22 @@ def _row_reduce_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     H,
     MEAN: tl.constexpr,
-    ACC: tl.constexpr,
+    FP64: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * H  # rows contiguous (_rows.py)
     cols = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=ACC)
+    acc_type = tl.float64 if FP64 else tl.float32
+    acc = tl.zeros((BLOCK,), dtype=acc_type)
     for start in range(0, H, BLOCK):
-        acc += tl.load(x_row + start + cols, mask=start + cols < H, other=0.0).to(ACC)
+        acc += tl.load(x_row + start + cols, mask=start + cols < H, other=0.0).to(acc_type)
     total = tl.sum(acc, axis=0)
     if MEAN:
-        total = total / H
+        if FP64:
+            total = total / tl.cast(H, tl.float64)  # fp64 '/' is IEEE already
+        else:
+            total = tl.math.div_rn(total, tl.cast(H, tl.float32))  # IEEE, not div.full
     tl.store(out_ptr + row, total.to(out_ptr.dtype.element_ty))
 
 
@@ -66,7 +70,7 @@ def _reduce(x: Tensor, mean: bool) -> Tensor:
             out,
             h,
             MEAN=mean,
-            ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+            FP64=x.dtype == torch.float64,
             BLOCK=block,
             num_warps=num_warps,
         )

@@ -97,40 +97,52 @@ def _padded(seqs: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def _batches(model: nn.Module, seqs: list[torch.Tensor], sizes: tuple[int, ...]) -> None:
+    """Each sequence alone, then in micro-batches of each size, left- and right-padded, and
+    packed: the same bits."""
+    alone = [token_logprobs(model, s[None])[0] for s in seqs]
+    for size in sizes:
+        for side in ("left", "right"):
+            for first in range(0, len(seqs), size):
+                group = seqs[first : first + size]
+                ids, mask = _padded(group, side)
+                out = token_logprobs(model, ids, mask)
+                for i, s in enumerate(group):
+                    row = out[i, : len(s)] if side == "right" else out[i, out.shape[1] - len(s) :]
+                    assert torch.equal(row, alone[first + i]), (size, side, first + i)
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    packed = token_logprobs(model, ids, position_ids=pos)[0]
+    start = 0
+    for i, s in enumerate(seqs):
+        assert torch.equal(packed[start : start + len(s)], alone[i]), ("packed", i)
+        start += len(s)
+
+
 def test_one_gemm_per_linear_and_rows_independent_of_the_batch(
     counted: collections.Counter[str],
 ) -> None:
     model = _model()
     rng = np.random.default_rng(3)
-    seqs = [torch.from_numpy(rng.integers(0, VOCAB, int(n))) for n in (4, 7, 2, 8, 5)]
+    seqs = [torch.from_numpy(rng.integers(0, VOCAB, int(n))) for n in (3, 5, 2, 6, 4)]
     with torch.no_grad(), trainer_numerics(model):
-        alone = [token_logprobs(model, s[None])[0] for s in seqs]
+        token_logprobs(model, seqs[0][None])
         # One forward: 7 linears in the layer and the head, one GEMM each; three norms; one
-        # fused head call per sequence's span.
-        assert counted["matmul"] == 8 * len(seqs)
-        assert counted["rms_norm"] == 3 * len(seqs)
-        assert counted["token_logprobs"] == len(seqs)
-        for size in (3, 5):  # micro-batches of 1 are the sequences alone
-            for side in ("left", "right"):
-                for first in range(0, len(seqs), size):
-                    group = seqs[first : first + size]
-                    ids, mask = _padded(group, side)
-                    out = token_logprobs(model, ids, mask)
-                    for i, s in enumerate(group):
-                        row = (
-                            out[i, : len(s)] if side == "right" else out[i, out.shape[1] - len(s) :]
-                        )
-                        assert torch.equal(row, alone[first + i]), (size, side, first + i)
-        ids = torch.cat(seqs)[None]
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-        packed = token_logprobs(model, ids, position_ids=pos)[0]
-        start = 0
-        for i, s in enumerate(seqs):
-            assert torch.equal(packed[start : start + len(s)], alone[i]), ("packed", i)
-            start += len(s)
+        # fused head call.
+        assert counted == {"matmul": 8, "rms_norm": 3, "token_logprobs": 1}
+        _batches(model, seqs, (5,))  # micro-batches of 1: the sequences alone
         spec = local_spec(model, profile="invariant", tile_rows=64, lm_head_fp32=False)
     assert spec.kernels == kernel_set("cpu") != CPU_KERNELS and "/kernels=cuda/" in spec.key
     assert not gemm_choice._decided  # no cuBLASLt probe off CUDA
+
+
+@pytest.mark.slow
+def test_micro_batches_of_three(counted: collections.Counter[str]) -> None:
+    model = _model(seed=2)
+    rng = np.random.default_rng(6)
+    seqs = [torch.from_numpy(rng.integers(0, VOCAB, int(n))) for n in (4, 7, 2, 8, 5)]
+    with torch.no_grad(), trainer_numerics(model):
+        _batches(model, seqs, (3, 5))
 
 
 def test_top_k_top_p_and_the_backward(counted: collections.Counter[str]) -> None:
@@ -162,3 +174,45 @@ def test_top_k_top_p_and_the_backward(counted: collections.Counter[str]) -> None
         got = grads[n]
         assert got is not None and p.grad is not None
         torch.testing.assert_close(got, p.grad, rtol=1e-3, atol=1e-4, msg=n)
+
+
+def test_the_service_engine_serves_the_trainers_bits(
+    tmp_path: Any, counted: collections.Counter[str]
+) -> None:
+    """The service's engine (packed forward, head on the scored rows, processing in slices)
+    and a trainer's left-padded micro-batch under ``like=`` the service's spec agree bitwise
+    under the CUDA definition's kernels, as they do on CPU (tests/unit/test_engine.py)."""
+    from oldlogit_service.demo.tiny import make_tiny_model_dir
+    from oldlogit_service.model.checkpoints import load_weights
+    from oldlogit_service.model.engine import Engine, Job
+    from oldlogit_service.model.loaded import load_model
+    from oldlogit_service.model.numerics import SamplingParams
+
+    hub = make_tiny_model_dir(
+        tmp_path / "m",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_positions=256,
+    )
+    service = load_model(hub, dtype="float32", device="cpu")
+    weights = load_weights(hub, service)
+    assert weights is not None
+    rng = np.random.default_rng(5)
+    seqs = [torch.from_numpy(rng.integers(0, VOCAB, n)) for n in (4, 9, 6)]
+    sampling = SamplingParams(temperature=0.8)
+    jobs = [Job(s, torch.arange(1, len(s)), sampling) for s in seqs]
+    served = Engine(service).run(weights, jobs)
+    assert counted["matmul"] and counted["token_logprobs"]
+    trainer = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32).eval()
+    spec = service.numerics_spec(False)
+    assert spec.kernels == kernel_set("cpu") != CPU_KERNELS
+    ids, mask = _padded(seqs, "left")
+    with torch.no_grad(), trainer_numerics(trainer, like=spec):
+        out = token_logprobs(trainer, ids, mask, temperature=0.8)
+    width = out.shape[1]
+    for i, (s, want) in enumerate(zip(seqs, served, strict=True)):
+        assert torch.equal(out[i, width - len(s) + 1 :], want), i

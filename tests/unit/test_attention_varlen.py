@@ -356,3 +356,51 @@ def test_each_layers_route_is_recorded_by_name():
         _attend(q, k, v, segments, None)
         _attend(q, k, v, segments, None, layer=1, softcap=30.0)
     assert routes == {0: "oldlogit_invariant/sdpa", 1: "oldlogit_invariant/eager"}
+
+
+def test_the_varlen_branch_in_a_models_forward_gives_the_cpu_paths_bits(monkeypatch):
+    """The varlen route's place in the invariant attention, through a model with grouped-query
+    heads and left padding, with the per-sequence stand-in for the GPU kernel."""
+    from oldlogit.parity import token_logprobs, trainer_numerics
+    from oldlogit.parity.attention import recording_routes
+    from tests.architectures import VOCAB
+    from tests.unit.test_parity_invariance import _model, _padded
+
+    model = _model("qwen2", torch.float32)
+    rng = np.random.default_rng(0)
+    seqs = [torch.from_numpy(rng.integers(0, VOCAB, size=n)) for n in (9, 4, 13)]
+    ids, mask = _padded(seqs, "left")
+    with trainer_numerics(model), torch.no_grad():
+        expected = token_logprobs(model, ids, mask, temperature=0.7)
+    monkeypatch.setattr(attention_module, "layer_route", lambda *args: Route(FLASH))
+    monkeypatch.setattr(
+        attention_module,
+        "_varlen_call",
+        lambda route, params, support: attention_module._per_sequence_varlen(params),
+    )
+    # (on CPU the route is looked up only while it is recorded)
+    with trainer_numerics(model), torch.no_grad(), recording_routes() as routes:
+        got = token_logprobs(model, ids, mask, temperature=0.7)
+    assert routes == {0: "oldlogit_invariant/varlen-flash", 1: "oldlogit_invariant/varlen-flash"}
+    assert torch.equal(got, expected)
+
+
+def test_the_gradient_through_the_varlen_plan_is_the_cpu_paths():
+    seqs = _sequences([7, 3, 12, 1], 4, 2, 16, torch.float32)
+    (q, k, v), mask, positions, _ = _batch(seqs, "packed")
+    segments, _ = plan_segments(q.shape[0], q.shape[2], mask, positions)
+    weight = torch.randn(q.shape[0], q.shape[2], 4, 16, generator=torch.Generator().manual_seed(1))
+
+    def grads(through_plan: bool) -> list[Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if through_plan:
+            call = attention_module._per_sequence_varlen(_params(None, 16))
+            with torch._C.DisableTorchFunction():
+                out = attention_module._varlen_attention(*leaves, segments.varlen(q.device), call)
+        else:
+            out = _attend(*leaves, segments, None)
+        (out * weight).sum().backward()
+        return [t.grad for t in leaves]  # type: ignore[misc]
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        assert torch.equal(a, b)

@@ -89,13 +89,13 @@ def _tail(text: str, n: int = TAIL) -> str:
 
 
 def _run(
-    argv: list[str], timeout_s: float, log: Path, env: dict[str, str]
+    name: str, argv: list[str], timeout_s: float, log: Path, env: dict[str, str]
 ) -> tuple[int | None, str]:
     """Run ``argv`` in its own process group, its output appended to ``log`` as it comes (a run
     cut short keeps it); on timeout SIGINT (pytest then writes its report), then SIGKILL to the
     group. Returns (the return code, None on timeout; this run's output)."""
     with log.open("a") as f:
-        f.write(f"\n===== {_now()} $ {' '.join(argv)}\n")
+        f.write(f"\n===== {name} {_now()} $ {' '.join(argv)}\n")
         f.flush()
         begin = f.tell()
         proc = subprocess.Popen(
@@ -110,6 +110,10 @@ def _run(
         rc: int | None
         try:
             rc = proc.wait(timeout=timeout_s)
+        except KeyboardInterrupt:  # the script's backstop (`timeout --signal=INT`): stop it all
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
         except subprocess.TimeoutExpired:
             rc = None
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -126,7 +130,7 @@ def _run(
         f.seek(begin)
         text = f.read().decode(errors="replace")
     with log.open("a") as f:
-        f.write(f"\n===== exit {rc}\n")
+        f.write(f"\n===== {name}: exit {rc}\n")
     return rc, text
 
 
@@ -141,8 +145,9 @@ def _parse_machine(step: Step, out: str, _: Path) -> dict[str, Any]:
     return machine
 
 
-def _nvidia_smi() -> dict[str, Any] | str:
-    query = "name,driver_version,memory.total,clocks.max.sm,power.limit"
+def _nvidia_smi(
+    query: str = "name,driver_version,memory.total,clocks.max.sm,power.limit",
+) -> dict[str, Any] | str:
     try:
         got = subprocess.run(
             ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
@@ -153,12 +158,14 @@ def _nvidia_smi() -> dict[str, Any] | str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unavailable: {exc}"
     if got.returncode != 0:
+        if query.count(",") > 2:  # a field this driver does not know: the basic three
+            return _nvidia_smi("name,driver_version,memory.total")
         return f"unavailable: {_tail(got.stdout + got.stderr, 300)}"
     first = got.stdout.strip().splitlines()[0] if got.stdout.strip() else ""
     return dict(zip(query.split(","), (x.strip() for x in first.split(",")), strict=False))
 
 
-def test_summary(xml: Path | None, log_text: str) -> dict[str, Any]:
+def summarize_tests(xml: Path | None, log_text: str) -> dict[str, Any]:
     """passed/failed/skipped/errors and the failing test ids: from pytest's junit XML when it
     was written, else from the ``-v`` lines of its output (a run cut short)."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
@@ -210,7 +217,7 @@ def test_summary(xml: Path | None, log_text: str) -> dict[str, Any]:
 
 
 def _parse_tests(step: Step, out: str, outdir: Path) -> dict[str, Any]:
-    summary = test_summary(outdir / "gpu-tests.xml", out)
+    summary = summarize_tests(outdir / "gpu-tests.xml", out)
     last = [line for line in out.strip().splitlines() if line.startswith("=")]
     summary["last_line"] = last[-1] if last else ""
     return summary
@@ -249,14 +256,16 @@ def steps(args: argparse.Namespace, out: Path, work: Path) -> list[Step]:
     pytest_argv += ["--continue-on-collection-errors", "-o", "timeout=150", "--durations=15"]
     pytest_argv += ["--junitxml", str(out / "gpu-tests.xml"), *gpu_test_files()]
     rehearse = args.rehearse
+    # Budgets (seconds, at most; 0: what is left) sized for an H100 inside the script's 540 s:
+    # steps 1-5 fit in 515 s if each used all of its own; serving and throughput get the rest.
     return [
-        Step("machine", 60, [py, "-c", MACHINE], _parse_machine),
-        Step("gpu-tests", 90 if rehearse else 200, pytest_argv, _parse_tests, "gpu-tests.log"),
-        bench("invariant-vs-plain", 80, "invariant", *shaped, "--invariant-rounds", "3",
-              "--invariant-reps", "3"),
-        bench("patched-step-cost", 70, "parity", "--parity-only", "patched-step-cost", *shaped,
+        Step("machine", 45, [py, "-c", MACHINE], _parse_machine),
+        Step("gpu-tests", 90 if rehearse else 180, pytest_argv, _parse_tests, "gpu-tests.log"),
+        bench("invariant-vs-plain", 90, "invariant", *shaped, "--invariant-rounds", "3",
+              "--invariant-reps", "2"),
+        bench("patched-step-cost", 80, "parity", "--parity-only", "patched-step-cost", *shaped,
               "--parity-reps", "3"),
-        bench("models-vs-hf-forward", 110, "models", *shaped, "--models-versions", "2",
+        bench("models-vs-hf-forward", 120, "models", *shaped, "--models-versions", "2",
               "--models-rounds", "1" if rehearse else "3"),
         bench("serving", 0, "serving", "--device", device, *(
             [] if rehearse else ["--dtype", "bfloat16", "--hidden", "896", "--layers", "12",
@@ -337,7 +346,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"gpu_checks: {step.name} (at most {timeout:.0f} s)", flush=True)
         t0 = time.monotonic()
-        rc, text = _run(step.argv, timeout, out / step.log, env)
+        try:
+            rc, text = _run(step.name, step.argv, timeout, out / step.log, env)
+        except KeyboardInterrupt:
+            record |= {"status": "timeout", "wall_s": round(time.monotonic() - t0, 1)}
+            record["error"] = "stopped by the script's time backstop (SIGINT)"
+            report["steps"].append(record)
+            write()
+            return 1
         record |= {"timeout_s": round(timeout, 1), "wall_s": round(time.monotonic() - t0, 1)}
         record["returncode"] = rc
         if rc is None:

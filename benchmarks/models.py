@@ -82,13 +82,17 @@ def smoke(args: argparse.Namespace) -> None:
     args.models_versions, args.models_seqs, args.models_seq_len = 3, 2, 32
 
 
-def build(root: Path, config: dict[str, Any]) -> tuple[Path, Any]:
-    """A model directory with random bf16 weights, and the HF model (the trainer's copy)."""
+def build(
+    root: Path, config: dict[str, Any], device: torch.device | None = None
+) -> tuple[Path, Any]:
+    """A model directory with random bf16 weights, and the HF model (the trainer's copy);
+    initialised on ``device`` (a GPU's is fast) when one is given, else on the CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in config.items() if k != "model_type"}
     hf_config = AutoConfig.for_model(config["model_type"], **fields)
-    with torch.random.fork_rng(devices=[]):
+    on = torch.device(device) if device is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), on:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     model.save_pretrained(root / "model")
@@ -124,8 +128,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
         config = SMOKE if getattr(args, "models_smoke", False) else QWEN25_05B
         rows = [(args.models_seqs, args.models_seq_len)]
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-models-"))
-    model_dir, trainer = build(root, config)
-    trainer = trainer.to(device)
+    model_dir, trainer = build(root, config, device if device.type != "cpu" else None)
     nbytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
     nbytes -= trainer.lm_head.weight.numel() * 2  # tied: one copy
     gb = nbytes / 1e9

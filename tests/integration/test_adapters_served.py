@@ -105,6 +105,10 @@ def test_adapters_over_one_base_served_bitwise(
             use_cache=False,
         )
         spec = c.info().numerics_spec()
+        # A trace runs under the adapter too (its stages part from the base's).
+        traced, bare = c.trace(seqs[0], first), c.trace(seqs[0], BASE)
+        assert traced.weight_sha256 == ra.weight_sha256
+        assert [s.sha256 for s in traced.stages] != [s.sha256 for s in bare.stages]
     want_a, want_b = _trainer(a, spec, seqs), _trainer(b, spec, seqs)
     for got, want in zip(res[: len(seqs)], want_a, strict=True):
         assert np.array_equal(got.logprobs[1:], want[1:])

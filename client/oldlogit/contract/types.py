@@ -373,7 +373,7 @@ class Trace(_Model):
 class VersionInfo(_Model):
     policy_version: int
     weight_sha256: str
-    nbytes: int  # bytes of the full weights in the serving dtype
+    nbytes: int  # bytes of the full weights in the serving dtype (an adapter: its tensors')
     tiers: list[str]  # where it is resident now: "device", "host", "disk"
     kind: str = "keyframe"  # "keyframe", "patch" (docs/delta-snapshots.md) or "adapter"
     parent: int | None = None

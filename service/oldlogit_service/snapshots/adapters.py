@@ -189,7 +189,9 @@ class Adapters:
 
     def _same_or_conflict(self, version: int, sha: str, existing: str) -> PublishOutcome:
         if sha == existing:
-            return PublishOutcome(version, sha, False, 0, "adapter")
+            return PublishOutcome(
+                version, sha, False, self._registry.get(version).nbytes, "adapter"
+            )
         raise VersionConflict(
             f"policy_version {version} is already published with weight sha256 {existing}; "
             f"this adapter hashes to {sha}",

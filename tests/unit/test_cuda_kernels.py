@@ -355,3 +355,75 @@ def test_row_cumsum_rows_invariant_and_edges(device: str) -> None:
     assert row_cumsum.row_cumsum(x[:, :0]).shape == (ROWS, 0)
     one = torch.tensor([0.5, 0.25, 0.125], device=device)
     assert torch.equal(row_cumsum.row_cumsum(one), torch.tensor([0.5, 0.75, 0.875], device=device))
+
+
+# ── compiled for a GPU, on any machine ────────────────────────────────────────────────────────
+
+_COMPILE_FOR_SM90 = r"""
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from oldlogit.parity.kernels.cuda import log_softmax, matmul, rms_norm, row_cumsum, row_reduce
+
+def ptx(fn, sig, constexprs, num_warps, num_stages=3, aligned=()):
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+facts = {}
+for dtype, cfg in matmul.CONFIG.items():
+    t = cfg.dtype
+    sig = {n: f"*{t}" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}
+    sig |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn",
+                               "stride_wk", "stride_om", "stride_on", "NUM_PROGRAMS")}
+    sig |= {n: "constexpr" for n in ("HAS_BIAS", "PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+                                     "GROUP_M")}
+    code = ptx(matmul._matmul_kernel, sig, {"HAS_BIAS": True,
+               "PRECISION": matmul.dot_precision(dtype), "BLOCK_M": cfg.block_m,
+               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m},
+               cfg.num_warps, cfg.num_stages, aligned=("x_ptr", "w_ptr", "out_ptr", "K"))
+    facts[t] = {"wgmma": "wgmma" in code, "fma": "fma.rn.f32" in code}
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32",
+       "offset": "fp32", "HAS_WEIGHT": "constexpr", "CAST_BEFORE_WEIGHT": "constexpr",
+       "OFFSET_IS_ZERO": "constexpr", "BLOCK": "constexpr"}
+code = ptx(rms_norm._rms_norm_kernel, sig, {"HAS_WEIGHT": True, "CAST_BEFORE_WEIGHT": True,
+           "OFFSET_IS_ZERO": True, "BLOCK": 1024}, 8)
+facts["rms_norm"] = {"div.full": "div.full" in code, "cvt.rn.bf16": "cvt.rn.bf16.f32" in code}
+sig = {"x_ptr": "*bf16", "targets_ptr": "*i64", "out_ptr": "*fp32", "lse_ptr": "*fp32",
+       "V": "i32", "temperature": "fp32", "GATHER": "constexpr", "BLOCK": "constexpr"}
+for gather in (True, False):
+    code = ptx(log_softmax._log_softmax_kernel, sig, {"GATHER": gather, "BLOCK": 4096}, 8)
+    facts[f"log_softmax gather={gather}"] = {"div.full": "div.full" in code}
+sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "H": "i32", "MEAN": "constexpr",
+       "FP64": "constexpr", "BLOCK": "constexpr"}
+code = ptx(row_reduce._row_reduce_kernel, sig, {"MEAN": True, "FP64": False, "BLOCK": 1024}, 8)
+facts["row_mean"] = {"div.full": "div.full" in code}
+sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32", "BLOCK": "constexpr"}
+ptx(row_cumsum._row_cumsum_kernel, sig, {"BLOCK": 4096}, 8)
+print(json.dumps(facts))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90() -> None:
+    """Every kernel compiles to sm_90 PTX with the installed Triton (no GPU needed: its bundled
+    ptxas), bf16/fp16 GEMMs on wgmma, the fp32 GEMM exact (FMA, no TF32), IEEE divisions."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert facts["bf16"] == facts["fp16"] == {"wgmma": True, "fma": False}
+    assert facts["fp32"] == {"wgmma": False, "fma": True}
+    assert facts["rms_norm"] == {"div.full": False, "cvt.rn.bf16": True}
+    for name in ("log_softmax gather=True", "log_softmax gather=False", "row_mean"):
+        assert facts[name] == {"div.full": False}, name

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["CONFIG", "GemmConfig", "config_for", "config_name", "matmul"]
+__all__ = ["CONFIG", "GemmConfig", "config_for", "config_name", "dot_precision", "matmul"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,12 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 
 def config_name(n: int, k: int, dtype: torch.dtype) -> str:
     return config_for(n, k, dtype).name
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: float32 exact ("ieee": FMA, never TF32, as the definition
+    pins for torch's matmuls); half types run on the tensor cores whatever it says."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])  # type: ignore[untyped-decorator]
@@ -163,7 +169,7 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         out.stride(1),
         programs,
         HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(x.dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -216,3 +216,36 @@ def test_the_service_engine_serves_the_trainers_bits(
     width = out.shape[1]
     for i, (s, want) in enumerate(zip(seqs, served, strict=True)):
         assert torch.equal(out[i, width - len(s) + 1 :], want), i
+
+
+def test_gemma_norms_take_the_kernel(counted: collections.Counter[str]) -> None:
+    """Gemma 2's RMSNorm (× (1 + weight) in float32, then the cast) is one kernel call per norm
+    under the CUDA definition: four per layer and the final one."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        initializer_range=0.2,
+        max_position_embeddings=256,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        for p in model.parameters():
+            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.data += 0.1 * torch.randn_like(p)
+    rng = np.random.default_rng(8)
+    seqs = [torch.from_numpy(rng.integers(0, VOCAB, int(n))) for n in (3, 6, 4)]
+    with torch.no_grad(), trainer_numerics(model):
+        alone = [token_logprobs(model, s[None])[0] for s in seqs]
+        assert counted["rms_norm"] == 5 * len(seqs)
+        ids, mask = _padded(seqs, "left")
+        out = token_logprobs(model, ids, mask)
+    for i, s in enumerate(seqs):
+        assert torch.equal(out[i, out.shape[1] - len(s) :], alone[i]), i

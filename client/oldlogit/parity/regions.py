@@ -14,7 +14,9 @@ DeepSeek-V3, Granite, SmolLM3, ...):
 - ``RMSNorm.forward``: float32 → mean of squares → × rsqrt(· + eps) → input dtype → × weight;
   its ``pow``, ``mean`` and ``rsqrt`` go through the mode's rules (blockwise on CPU), the rest
   are exact ops no rule touches; under the CUDA definition the whole norm is one call of the
-  Triton kernel (kernels/cuda/rms_norm.py), that order in one row per program;
+  Triton kernel (kernels/cuda/rms_norm.py), that order in one row per program; the Gemma
+  family's RMSNorm (× (1 + weight) in float32, then the cast) likewise under the CUDA
+  definition, and as it is, through the mode, otherwise;
 - ``apply_rotary_pos_emb`` (with its module's ``rotate_half``): views, products, sums, a
   negation and a concatenation, none of which any rule touches (``UNRULED``), so it runs as
   it is. It is a module-level function: while a model is patched its module's global is a
@@ -46,6 +48,10 @@ __all__ = ["RMS_NORM_SOURCES", "ROTARY_SOURCES", "UNRULED", "fingerprint", "inst
 RMS_NORM_SOURCES = frozenset({"d676bfe9af0e524d"})
 ROTARY_SOURCES = frozenset({"ea234325c15de475"})
 ROTATE_HALF_SOURCES = frozenset({"f714a4b1160c694e"})
+# Gemma, Gemma 2 and Gemma 3's RMSNorm (their ``forward`` differs in a comment) and its
+# ``_norm``: taken by the CUDA definition only (``_gemma_norm``).
+GEMMA_NORM_SOURCES = frozenset({"78445ea3d6353b4d", "3aaaf6c3a56c829e", "3a8c77aca757e0bd"})
+GEMMA_NORM_HELPER_SOURCES = frozenset({"cc4f84a7b2b99617"})
 
 # Every torch function the regions call as they are; none may be one a rule could apply to
 # (tests/unit/test_parity_regions.py holds the list to what the original code calls).
@@ -105,6 +111,21 @@ def _rms_norm(module: nn.Module, original: Callable[[Tensor], Tensor], hidden: T
         hidden = hidden * call(torch.rsqrt, variance + module.variance_epsilon)
         out: Tensor = weight * hidden.to(input_dtype)
     return out
+
+
+def _gemma_norm(module: nn.Module, original: Callable[[Tensor], Tensor], hidden: Tensor) -> Tensor:
+    """The Gemma family's RMSNorm (``GEMMA_NORM_SOURCES``: float32 → × rsqrt(mean of squares +
+    eps) → × (1 + weight in float32) → input dtype) as one call of the Triton kernel under the
+    CUDA definition; the original, through the mode, otherwise (CPU: as before)."""
+    mode = _active_mode()
+    weight: Any = module.weight
+    if mode is None or not mode.cuda or type(hidden) is not Tensor or type(weight) not in _PLAIN:
+        return original(hidden)
+    from .kernels.cuda.differentiable import rms_norm
+
+    eps: Any = module.eps
+    with torch._C.DisableTorchFunction():
+        return rms_norm(hidden, weight, float(eps), offset=1.0, cast_before_weight=False)
 
 
 def _rotary(
@@ -177,6 +198,19 @@ def _is_known_norm(cls: type) -> bool:
     return known
 
 
+_gemma_norms: dict[type, bool] = {}
+
+
+def _is_gemma_norm(cls: type) -> bool:
+    known = _gemma_norms.get(cls)
+    if known is None:
+        known = _gemma_norms[cls] = (
+            fingerprint(getattr(cls, "forward", None)) in GEMMA_NORM_SOURCES
+            and fingerprint(getattr(cls, "_norm", None)) in GEMMA_NORM_HELPER_SOURCES
+        )
+    return known
+
+
 def install(
     model: nn.Module, set_forward: Callable[[nn.Module, Callable[..., Any]], None]
 ) -> Callable[[], None]:
@@ -192,6 +226,8 @@ def install(
                 spaces[id(space)] = space
         if "forward" not in module.__dict__ and _is_known_norm(cls):
             set_forward(module, functools.partial(_rms_norm, module, module.forward))
+        elif "forward" not in module.__dict__ and _is_gemma_norm(cls):
+            set_forward(module, functools.partial(_gemma_norm, module, module.forward))
     for space in spaces.values():
         undo = _wrap_rotary(space)
         if undo is not None:

@@ -212,6 +212,8 @@ def test_rms_norm_edges(device: str) -> None:
     )
     torch.testing.assert_close(y, ref16, rtol=1e-3, atol=1e-3)
     assert rms_norm.rms_norm(x[:0], w32, 1e-5).shape == (0, 37)
+    w_view = torch.cat([w32[:1], w32])[1:]  # a weight that starts off a 16-byte boundary
+    assert torch.equal(rms_norm.rms_norm(x16, w_view, 1e-5), y)
     x_t = _randn(37, 5, device=device, seed=2).t()  # rows with a stride ≠ 1 along H
     assert torch.equal(
         rms_norm.rms_norm(x_t, w32, 1e-5), rms_norm.rms_norm(x_t.contiguous(), w32, 1e-5)

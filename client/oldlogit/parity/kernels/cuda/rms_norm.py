@@ -96,7 +96,7 @@ def rms_norm(
     block, num_warps = block_for(h)
     _rms_norm_kernel[(rows.shape[0],)](
         rows,
-        weight.contiguous() if weight is not None else rows,  # not read without HAS_WEIGHT
+        as_rows(weight) if weight is not None else rows,  # aligned too; unread without weight
         out,
         h,
         eps,

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
         config = SMOKE if getattr(args, "models_smoke", False) else QWEN25_05B
         rows = [(args.models_seqs, args.models_seq_len)]
     root = Path(tempfile.mkdtemp(prefix="oldlogit-bench-models-"))
-    model_dir, trainer = build(root, config, device if device.type != "cpu" else None)
+    # Built on the device (fast on a GPU); the CPU figures keep their CPU build.
+    model_dir, trainer = build(root, config, device if shaped or device.type != "cpu" else None)
     nbytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
     nbytes -= trainer.lm_head.weight.numel() * 2  # tied: one copy
     gb = nbytes / 1e9

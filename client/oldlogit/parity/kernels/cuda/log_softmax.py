@@ -90,7 +90,7 @@ def _launch(rows: Tensor, targets: Tensor | None, temperature: float) -> tuple[T
         rows,
         targets if targets is not None else rows,  # not read without GATHER
         out,
-        lse,
+        lse if gather else out,  # not written without GATHER (a 0-element tensor has no pointer)
         v,
         float(temperature),
         GATHER=gather,
@@ -145,5 +145,7 @@ def token_logprobs(x: Tensor, targets: Tensor, temperature: float = 1.0) -> Tens
     _check_temperature(temperature)
     if targets.shape != x.shape[:-1]:
         raise ValueError(f"token_logprobs: targets {tuple(targets.shape)} for x {tuple(x.shape)}")
+    if targets.device != x.device or targets.is_floating_point() or targets.is_complex():
+        raise ValueError(f"token_logprobs: integer targets on {x.device}, got {targets.dtype}")
     out: Tensor = _TokenLogprobs.apply(x, targets, temperature)  # type: ignore[no-untyped-call]
     return out

@@ -3,8 +3,8 @@
 ``SnapshotStore`` (``store``) is the one entry point, a thin facade over parts that each own
 one thing: ``registry`` (durable records, ordering, watermark, leases, disk retention),
 ``residency`` (memory tiers, loads, LRU), ``rebuild`` (keyframe + patch chains, the keyframe
-policy, rewrites), ``publish`` (ingest → verify → persist → register) and ``lagging`` (the
-lagging model). Leaves that import nothing above them: ``ingest``, ``persist``, ``buffers``,
+policy, rewrites), ``publish`` (ingest → verify → persist → register), ``adapters`` (adapter
+versions over a retained base) and ``lagging`` (the lagging model). Leaves that import nothing above them: ``ingest``, ``persist``, ``buffers``,
 ``codec``, ``tiers``, ``leases``, ``records``.
 
 May import torch, safetensors and the client's contract; nothing else of the service (it is

@@ -1,11 +1,9 @@
 """Adapter versions in the store: LoRA tensors over a retained base, checked, kept, read back.
 
-In: a safetensors file of LoRA tensors (its canonical config in the metadata,
-``oldlogit.contract.adapters``), the base version and the expected hash. Out: a durable record
-of kind "adapter" (temp → fsync → rename → registry; the registry keeps its base while it is
-retained), and the adapter read back hash-checked into CPU memory (the most recent
-``ADAPTERS_KEPT``, outside the memory tiers' budgets: an adapter is a small fraction of a
-version). Stored whole, never rebuilt; its base's weights are served like any version's.
+In: a safetensors file of LoRA tensors (config in its metadata), the base version, the expected
+hash. Out: a durable record of kind "adapter" (temp → fsync → rename → registry, which keeps the
+base while the adapter is retained), and the adapter read back hash-checked into CPU memory
+(``ADAPTERS_KEPT`` most recent, outside the tiers' budgets). Stored whole, never rebuilt.
 """
 
 from __future__ import annotations

@@ -221,3 +221,30 @@ def test_scale_out_refuses_adapters_by_name(tmp_path: Path, files: Path) -> None
     with pytest.raises(InvalidRequest, match="scale-out"):
         store.publish_adapter(1, adapter_file(files, make_lora(0), CONFIG), base_version=0)
     store.close()
+
+
+def test_a_lost_base_or_a_corrupt_adapter_file_retires_the_adapter(
+    tmp_path: Path, files: Path
+) -> None:
+    root = tmp_path / "snap"
+    store = open_store(root)
+    store.publish(0, make_sd(0))
+    store.publish_adapter(1, adapter_file(files, make_lora(1), CONFIG), base_version=0)
+    store.publish(2, make_sd(2))
+    store.publish_adapter(3, adapter_file(files, make_lora(3), CONFIG), base_version=2)
+    base_file, adapter3 = store.info(0).file, store.info(3).file
+    store.close()
+    (root / "weights" / base_file).unlink()  # the base's file is gone: its adapter goes too
+    raw = bytearray((root / "weights" / adapter3).read_bytes())
+    raw[-1] ^= 0xFF  # a flipped bit in adapter 3's data: found when read, quarantined
+    (root / "weights" / adapter3).write_bytes(bytes(raw))
+    store = open_store(root)
+    assert [r.version for r in store.versions()] == [2, 3]
+    for v in (0, 1):
+        with pytest.raises(VersionEvicted):
+            store.info(v)
+    with pytest.raises(VersionEvicted, match="failed verification"):
+        store.adapter(3)
+    assert [r.version for r in store.versions()] == [2]
+    store.delete(2)  # its adapter is gone: deletable
+    store.close()

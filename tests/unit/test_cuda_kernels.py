@@ -33,7 +33,7 @@ if not DEVICES:
     pytest.skip("neither CUDA nor TRITON_INTERPRET=1", allow_module_level=True)
 
 ROW_COUNTS = (1, 2, 3, 17, 64, 65, 130)
-# The interpreter runs one program after another (~5 ms each here): half the rows on CPU.
+# The interpreter runs one program after another, each costly: half the rows on CPU.
 ROWS = 65 if INTERPRETED else 130
 
 

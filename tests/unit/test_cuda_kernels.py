@@ -107,6 +107,18 @@ def test_matmul_rows_invariant(device: str) -> None:
     assert torch.equal(matmul.matmul(big, w, b)[:ROWS], matmul.matmul(x, w, b))
 
 
+def test_matmul_persistent_programs_walk_every_tile(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = _randn(300, 40, device=device)
+    w = _randn(260, 40, device=device, seed=1)  # 3 x 3 tiles of 128 x 128
+    b = _randn(260, device=device, seed=2)
+    one_per_tile = matmul.matmul(x, w, b)
+    monkeypatch.setattr(matmul, "_programs", lambda device, tiles: min(2, tiles))
+    assert torch.equal(matmul.matmul(x, w, b), one_per_tile)  # 2 programs, 9 tiles
+    torch.testing.assert_close(one_per_tile, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_matmul_strides_and_edges(device: str) -> None:
     x = _randn(17, 70, device=device)
     w_t = _randn(70, 33, device=device, seed=1).t()  # [33, 70], a transposed view

@@ -129,6 +129,14 @@ def _num_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+def _programs(device: torch.device, tiles: int) -> int:
+    """Persistent on CUDA: one program per SM, each walking its share of the tiles; on CPU (the
+    interpreter, one program after another) one per tile."""
+    if device.type == "cuda":
+        return min(_num_sms(device.index or 0), tiles)
+    return tiles
+
+
 def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ weight[N, K]ᵀ (+ bias[N]) → [M, N] in x's dtype; any strides."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -150,9 +158,7 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    # On CUDA one program per SM (persistent); on CPU (the interpreter) one per tile.
-    programs = min(_num_sms(x.device.index or 0), tiles) if x.device.type == "cuda" else tiles
+    programs = _programs(x.device, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n))
     _matmul_kernel[(programs,)](
         x,
         weight,

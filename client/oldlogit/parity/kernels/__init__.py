@@ -8,6 +8,7 @@ import nothing from the rest of ``oldlogit.parity``; the definition imports them
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ def forced_cuda(on: bool = True) -> Iterator[None]:
         _forced = was
 
 
+@functools.cache
 def triton_version() -> str:
     """The installed Triton release, without importing it ("": not installed)."""
     try:

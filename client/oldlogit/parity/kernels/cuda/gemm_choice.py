@@ -180,22 +180,30 @@ def triton_config() -> str:
 def key_for(weight: Tensor, bias: Tensor | None) -> GemmKey:
     """The key of a linear with ``weight`` [N, K] (row-major, or the transpose of a row-major
     [K, N]) on its CUDA device."""
-    from .. import triton_version
-
     device = weight.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
+    name, blas, triton = _platform(index)
     return GemmKey(
         n=int(weight.shape[0]),
         k=int(weight.shape[1]),
         dtype=str(weight.dtype).removeprefix("torch."),
         bias=bias is not None,
         transposed=not weight.is_contiguous(),
-        device=f"{torch.cuda.get_device_name(index)} sm_{major}{minor}",
+        device=name,
         torch=str(torch.__version__),
-        blas=blas_version(),
-        triton=triton_version(),
+        blas=blas,
+        triton=triton,
     )
+
+
+@functools.cache
+def _platform(index: int) -> tuple[str, str, str]:
+    """(GPU name and compute capability, cuBLASLt build, Triton release) of a CUDA device."""
+    from .. import triton_version
+
+    major, minor = torch.cuda.get_device_capability(index)
+    name = f"{torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    return name, blas_version(), triton_version()
 
 
 @contextmanager
@@ -246,14 +254,13 @@ def _pins() -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Any], ...]:
 
 
 def torch_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight [N, K]ᵀ (+ bias) in one torch call under ``pinned_cublaslt``."""
+    """x [M, K] @ weight [N, K]ᵀ (+ bias) in one torch call under ``pinned_cublaslt``, as the
+    probe calls it (never with ``out=``: torch's ``addmm`` into a given output takes another
+    path), then copied into ``out`` when one is given."""
     with pinned_cublaslt():
         w_t = weight.t()
-        if bias is None:
-            return torch.mm(x, w_t) if out is None else torch.mm(x, w_t, out=out)
-        if out is None:
-            return torch.addmm(bias, x, w_t)
-        return torch.addmm(bias, x, w_t, out=out)
+        y = torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+    return y if out is None else out.copy_(y)
 
 
 def triton_gemm(
@@ -283,6 +290,10 @@ def gemm(
     any other layout is copied to row-major first."""
     if not (weight.is_contiguous() or weight.t().is_contiguous()):
         weight = weight.contiguous()
+    if weight.data_ptr() % 16:  # a view at an odd offset: cuBLAS reads the alignment
+        weight = weight.clone()
+    if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
+        bias = bias.clone(memory_format=torch.contiguous_format)
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, weight.shape[0]) if out is None else out

@@ -201,6 +201,19 @@ def test_peft_trainer_bitwise_with_service(
     assert _off(mine, base) > 0  # the adapter changes the answer: the check can fail
 
 
+def test_autocast_over_float32_masters_is_a_bf16_base_with_float32_adapters() -> None:
+    """torch.autocast(bf16) over float32 masters: the patch casts the base for the forward and
+    leaves the adapter in float32, the definition for a bf16 base version and that adapter."""
+    pm, weights = _peft("qwen2", torch.float32, r=8, lora_alpha=16, target_modules="all-linear")
+    seqs = _samples()[:4]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = _trainer(pm, seqs, 4, "left")
+    adapter = adapter_from_peft(pm)
+    assert adapter.spec.dtype == "float32"
+    bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    assert _off(mine, _service("qwen2", torch.bfloat16, bf16, seqs, [adapter] * 4)) == 0
+
+
 def test_mixed_adapters_in_one_forward_each_bitwise_its_own() -> None:
     """16 adapters (ranks, targets, rsLoRA differ) and the base in one packed forward over a
     bf16 base: each sequence's rows are its own adapter's PEFT forward."""

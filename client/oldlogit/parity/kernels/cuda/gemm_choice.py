@@ -233,11 +233,19 @@ def _pins() -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Any], ...]:
         "allow_bf16_reduced_precision_reduction",
         "allow_fp16_reduced_precision_reduction",
     ):
+        if hasattr(matmul, name + "_split_k"):  # torch >= 2.10: (reduced precision, split-K)
 
-        def read(name: str = name) -> Any:
-            return (bool(getattr(matmul, name)), bool(getattr(matmul, name + "_split_k", True)))
+            def read(name: str = name) -> Any:
+                return (bool(getattr(matmul, name)), bool(getattr(matmul, name + "_split_k")))
 
-        out.append((read, functools.partial(setattr, matmul, name), (False, False)))
+            want: Any = (False, False)
+        else:  # older torch: split-K cannot be switched off; the probe decides alone
+
+            def read(name: str = name) -> Any:
+                return bool(getattr(matmul, name))
+
+            want = False
+        out.append((read, functools.partial(setattr, matmul, name), want))
     if hasattr(matmul, "fp32_precision"):  # torch's per-backend precision settings
         precision = (
             lambda: matmul.fp32_precision,

@@ -253,18 +253,30 @@ def test_mixed_adapters_in_one_forward_each_bitwise_its_own() -> None:
     assert _off(expected[1:16], uniform[1:16]) > 0
 
 
-def test_gradients_reach_the_adapter_and_backward_runs() -> None:
+def _step(model: Any, ids: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The gradients of one patched step's masked sum of π_θ."""
+    model.zero_grad()
+    with trainer_numerics(model):
+        loss: Any = (token_logprobs(model, ids, mask) * mask).sum()
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradients_reach_the_adapter_with_and_without_checkpointing() -> None:
     pm, _ = _peft("qwen2", torch.bfloat16, r=8, lora_alpha=16, target_modules="all-linear")
     pm.train()
     ids, mask = _padded(_samples()[:4], left=True)
-    with trainer_numerics(pm):
-        loss: Any = (token_logprobs(pm, ids, mask) * mask).sum()
-        loss.backward()
-    grads = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
+    grads = _step(pm, ids, mask)
     assert grads and all(".lora_A." in n or ".lora_B." in n for n in grads)
     assert sum(".lora_A." in n for n in grads) == sum(".lora_B." in n for n in grads) == 14
     assert all(bool(g.abs().sum() > 0) for g in grads.values())
     assert not any(p.requires_grad for n, p in pm.named_parameters() if ".lora_" not in n)
+    # Activation checkpointing (PEFT's recipe) recomputes under the numerics: the same grads.
+    pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    pm.enable_input_require_grads()
+    recomputed = _step(pm, ids, mask)
+    assert set(recomputed) == set(grads)
+    assert all(torch.equal(recomputed[n], grads[n]) for n in grads)
 
 
 def test_save_pretrained_round_trips(tmp_path: Path) -> None:

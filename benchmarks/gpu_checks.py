@@ -3,14 +3,15 @@
     python -m benchmarks.gpu_checks OUT [--rehearse] [--budget-s S] [--wheels-rc N ...]
 
 Runs each step in its own process group under a time budget, in priority order — the machine,
-the `gpu`-marked tests, invariant-vs-plain, patched-step-cost, models-vs-hf-forward (the
-service's start-up self-check included), then the serving and throughput figures while time
-remains — and writes OUT/gpu-checks.json after every step, so a run cut short still leaves what
-it measured. A step that fails or runs out of time is recorded (its status, return code and the
-tail of its output) and the next one runs. OUT also gets gpu-tests.log, gpu-tests.xml (pytest's
-junit XML) and steps.log (every bench step's output). ``--rehearse`` runs the same steps on the
-CPU at tiny sizes (``--smoke``; the `gpu` tests are collected and skip): the same JSON schema,
-in about two minutes here (tests/e2e/test_gpu_checks.py).
+the `gpu`-marked tests, the CUDA kernels' tests (CUDA_AWARE), invariant-vs-plain,
+patched-step-cost, models-vs-hf-forward (the service's start-up self-check included), then the
+serving and throughput figures while time remains — and writes OUT/gpu-checks.json after every
+step, so a run cut short still leaves what it measured. A step that fails or runs out of time is
+recorded (its status, return code and the tail of its output) and the next one runs. OUT also
+gets gpu-tests.log/.xml and kernel-tests.log/.xml (pytest's output and junit XML) and steps.log
+(every bench step's output). ``--rehearse`` runs the same steps on the CPU at tiny sizes
+(``--smoke``; the `gpu` tests are collected and skip, one kernel test runs interpreted): the same
+JSON schema (tests/e2e/test_gpu_checks.py).
 The JSON is committed as docs/perf/gpu-<card>-<date>.json (docs/performance.md "On a GPU").
 """
 
@@ -77,7 +78,7 @@ class Step:
     argv: list[str]
     parse: Callable[[Step, str, Path], Any]
     log: str = "steps.log"  # under OUT
-    work: Path = field(default_factory=Path)
+    work: Path = field(default_factory=Path)  # a bench's --out; a test step's junit XML
 
 
 def _now() -> str:
@@ -217,7 +218,7 @@ def summarize_tests(xml: Path | None, log_text: str) -> dict[str, Any]:
 
 
 def _parse_tests(step: Step, out: str, outdir: Path) -> dict[str, Any]:
-    summary = summarize_tests(outdir / "gpu-tests.xml", out)
+    summary = summarize_tests(step.work, out)
     last = [line for line in out.strip().splitlines() if line.startswith("=")]
     summary["last_line"] = last[-1] if last else ""
     return summary
@@ -229,6 +230,11 @@ def _parse_bench(step: Step, out: str, _: Path) -> list[dict[str, Any]]:
     for f in figures:
         f["step"] = step.name
     return figures
+
+
+# Tests that run on CUDA when it is there without the `gpu` mark (on CPU they run under the
+# Triton interpreter): the CUDA definition's Triton kernels, compiled for the first time there.
+CUDA_AWARE = ("tests/unit/test_cuda_kernels.py",)
 
 
 def gpu_test_files() -> list[str]:
@@ -252,20 +258,29 @@ def steps(args: argparse.Namespace, out: Path, work: Path) -> list[Step]:
         return Step(name, budget, argv + smoke, _parse_bench, work=step_work)
 
     shaped = ["--device", device, "--shapes", SHAPES]
-    pytest_argv = [py, "-m", "pytest", "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider"]
-    pytest_argv += ["--continue-on-collection-errors", "-o", "timeout=150", "--durations=15"]
-    pytest_argv += ["--junitxml", str(out / "gpu-tests.xml"), *gpu_test_files()]
+
+    def pytest(name: str, budget: float, marks: str, files: list[str], *extra: str) -> Step:
+        xml = out / f"{name}.xml"
+        argv = [py, "-m", "pytest", "-m", marks, *extra, "-v", "-rA", "-p", "no:cacheprovider"]
+        argv += ["--continue-on-collection-errors", "-o", "timeout=150", "--durations=15"]
+        argv += ["--junitxml", str(xml), *files]
+        return Step(name, budget, argv, _parse_tests, f"{name}.log", work=xml)
+
     rehearse = args.rehearse
+    kernels = [f for f in CUDA_AWARE if (REPO / f).is_file()]
     # Budgets (seconds, at most; 0: what is left) sized for an H100 inside the script's 540 s:
-    # steps 1-5 fit in 515 s if each used all of its own; serving and throughput get the rest.
+    # the first six fit in 525 s if each used all of its own; serving and throughput get the rest.
     return [
-        Step("machine", 45, [py, "-c", MACHINE], _parse_machine),
-        Step("gpu-tests", 90 if rehearse else 180, pytest_argv, _parse_tests, "gpu-tests.log"),
-        bench("invariant-vs-plain", 90, "invariant", *shaped, "--invariant-rounds", "3",
+        Step("machine", 30, [py, "-c", MACHINE], _parse_machine),
+        pytest("gpu-tests", 90 if rehearse else 160, "gpu", gpu_test_files()),
+        # On the CPU they run interpreted (half a minute): the rehearsal runs one.
+        pytest("kernel-tests", 60, "not slow", kernels,
+               *(["-k", "rows_look_the_same"] if rehearse else [])),
+        bench("invariant-vs-plain", 85, "invariant", *shaped, "--invariant-rounds", "3",
               "--invariant-reps", "2"),
-        bench("patched-step-cost", 80, "parity", "--parity-only", "patched-step-cost", *shaped,
+        bench("patched-step-cost", 75, "parity", "--parity-only", "patched-step-cost", *shaped,
               "--parity-reps", "3"),
-        bench("models-vs-hf-forward", 120, "models", *shaped, "--models-versions", "2",
+        bench("models-vs-hf-forward", 110, "models", *shaped, "--models-versions", "2",
               "--models-rounds", "1" if rehearse else "3"),
         bench("serving", 0, "serving", "--device", device, *(
             [] if rehearse else ["--dtype", "bfloat16", "--hidden", "896", "--layers", "12",
@@ -317,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "pythonpath": env.get("PYTHONPATH", ""),
         "machine": None,
         "tests": None,
+        "kernel_tests": None,
         "figures": [],
         "goals_met": [],
         "steps": [],
@@ -358,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         record["returncode"] = rc
         if rc is None:
             record["status"] = "timeout"
-        elif rc == 0 or (step.name == "gpu-tests" and rc == 1):
+        elif rc == 0 or (step.parse is _parse_tests and rc == 1):
             record["status"] = "ok"  # pytest's 1: tests failed (the summary says which)
         else:
             record["status"] = "failed"
@@ -374,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         record["result"] = f"{len(result)} figures" if isinstance(result, list) else result
         if step.name == "machine":
             report["machine"] = result
-        elif step.name == "gpu-tests":
-            report["tests"] = result
-            tests_failed = rc != 0 or not result or bool(result["failing"])
+        elif step.parse is _parse_tests:
+            report["tests" if step.name == "gpu-tests" else "kernel_tests"] = result
+            tests_failed |= rc != 0 or not result or bool(result["failing"])
         elif isinstance(result, list):
             report["figures"].extend(result)
         report["steps"].append(record)

@@ -16,12 +16,14 @@
 #
 # Steps, in priority order, each under its own time budget (benchmarks/gpu_checks.py): the
 # machine (nvidia-smi, torch/CUDA/triton/transformers versions, capability); the `gpu`-marked
-# tests (they skip without CUDA); invariant-vs-plain, patched-step-cost and models-vs-hf-forward
+# tests (they skip without CUDA); the Triton kernels' tests (tests/unit/test_cuda_kernels.py,
+# compiled on the GPU); invariant-vs-plain, patched-step-cost and models-vs-hf-forward
 # (the service over gRPC with its start-up self-check) at Qwen2.5-1.5B's layer shapes; then
 # `bench serving` and `bench throughput` on the GPU while time remains. A step that fails is
 # recorded with the tail of its output and the next one runs. OUT_DIR receives gpu-checks.json
-# (rewritten after every step), gpu-tests.log, gpu-tests.xml and steps.log. The exit status is
-# 0 when the tests passed (1 when one failed or they did not finish), whatever the figures.
+# (rewritten after every step), gpu-tests.log/.xml, kernel-tests.log/.xml and steps.log. The
+# exit status is 0 when the tests passed (1 when one failed or did not finish), whatever the
+# figures.
 #
 # Environment: PYTHON (default python3), WHEELS (default .whl; with --rehearse none unless set),
 # SITE (default /tmp/site), BUDGET_S (whole script, default 540; rehearsal 240).

@@ -23,7 +23,8 @@ STEP_KEYS = {"name", "budget_s", "argv", "status"}
 
 def _check_schema(report: dict[str, Any]) -> None:
     assert report["schema"] == gpu_checks.SCHEMA
-    for key in ("machine", "tests", "figures", "goals_met", "steps", "wall_s", "wheels"):
+    keys = ("machine", "tests", "kernel_tests", "figures", "goals_met", "steps", "wall_s", "wheels")
+    for key in keys:
         assert key in report, key
     for step in report["steps"]:
         assert step.keys() >= STEP_KEYS, step
@@ -171,16 +172,18 @@ def test_rehearsal_end_to_end(tmp_path: Path) -> None:
     ]
     assert report["machine"]["oldlogit_from"] == str(REPO / "client" / "oldlogit" / "__init__.py")
     names = [s["name"] for s in report["steps"]]
-    assert names[:5] == [
+    assert names[:6] == [
         "machine",
         "gpu-tests",
+        "kernel-tests",
         "invariant-vs-plain",
         "patched-step-cost",
         "models-vs-hf-forward",
     ]
-    assert all(s["status"] == "ok" for s in report["steps"][:5]), report["steps"]
+    assert all(s["status"] == "ok" for s in report["steps"][:6]), report["steps"]
     tests = report["tests"]
     assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == 0  # no CUDA: all skip
+    assert report["kernel_tests"]["passed"] == 1, report["kernel_tests"]  # interpreted here
     rows = {(f["figure"], f["name"]) for f in report["figures"]}
     for figure in ("invariant-vs-plain", "patched-step-cost", "models-vs-hf-forward"):
         assert sum(1 for f, _ in rows if f == figure) == 3, (figure, rows)
@@ -188,6 +191,7 @@ def test_rehearsal_end_to_end(tmp_path: Path) -> None:
     assert all(f["detail"]["batch_invariant"]["invariant"] for f in inv if "4 × 32" in f["name"])
     (start,) = [f for f in report["figures"] if f["figure"] == "models-start"]
     assert any("self-check" in line for line in start["detail"]["self_check"])
-    assert {"gpu-checks.json", "gpu-tests.log", "gpu-tests.xml", "steps.log"} <= {
-        p.name for p in out.iterdir()
-    }
+    files = {p.name for p in out.iterdir()}
+    assert {"gpu-checks.json", "gpu-tests.log", "gpu-tests.xml", "steps.log"} <= files
+    assert {"kernel-tests.log", "kernel-tests.xml"} <= files
+    assert len(files) <= 8  # what a device call brings back

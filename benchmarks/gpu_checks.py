@@ -181,6 +181,8 @@ def summarize_tests(xml: Path | None, log_text: str) -> dict[str, Any]:
         if root is not None:
             times: list[tuple[float, str]] = []
             for case in root.iter("testcase"):
+                if not case.get("name"):  # the test a SIGINT stopped: no outcome
+                    continue
                 cid = f"{case.get('classname', '')}::{case.get('name', '')}"
                 times.append((float(case.get("time") or 0), cid))
                 kinds = {child.tag: child for child in case}
@@ -217,8 +219,18 @@ def summarize_tests(xml: Path | None, log_text: str) -> dict[str, Any]:
     return {**counts, "failing": failing, "skip_reasons": skipped, "source": "log"}
 
 
+def interrupted_test(log_text: str) -> str | None:
+    """The test a ``-v`` run was in when it stopped (its line has no outcome), if any."""
+    last = [line.strip() for line in log_text.splitlines() if "::" in line]
+    outcomes = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")
+    if last and not any(word in last[-1] for word in outcomes) and " " not in last[-1]:
+        return last[-1]
+    return None
+
+
 def _parse_tests(step: Step, out: str, outdir: Path) -> dict[str, Any]:
     summary = summarize_tests(step.work, out)
+    summary["interrupted_at"] = interrupted_test(out)
     last = [line for line in out.strip().splitlines() if line.startswith("=")]
     summary["last_line"] = last[-1] if last else ""
     return summary
@@ -400,6 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         write()
     write()
     print(f"gpu_checks: {path} ({report['wall_s']} s)")
+    for key in ("tests", "kernel_tests"):  # what the call's output tail should show at once
+        got = report[key]
+        if got:
+            print(f"  {key}: {got['passed']} passed, {got['failed']} failed, {got['errors']} "
+                  f"errors, {got['skipped']} skipped; failing: {got['failing'][:20]}")  # fmt: skip
+    for record in report["steps"]:
+        if record["status"] != "ok":
+            print(f"  step {record['name']}: {record['status']}")
     for row in report["goals_met"]:
         print(f"  {row['figure']:<22} {row['value']:8.3f} {row['goal']:<8} met={row['met']}  "
               f"{row['name']}")  # fmt: skip

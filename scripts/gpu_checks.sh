@@ -26,7 +26,9 @@
 # figures.
 #
 # Environment: PYTHON (default python3), WHEELS (default .whl; with --rehearse none unless set),
-# SITE (default /tmp/site), BUDGET_S (whole script, default 540; rehearsal 240).
+# SITE (default /tmp/site), BUDGET_S (whole script, default 540; rehearsal 240), ONLY (some
+# steps by name, e.g. ONLY="invariant-vs-plain models-vs-hf-forward": a second call that
+# re-runs what the first could not finish).
 set -uo pipefail
 start=$SECONDS
 rehearse=()
@@ -66,8 +68,14 @@ echo "gpu_checks: $wheel_note"
 # The driver writes gpu-checks.json after each step; `timeout` is the backstop that ends it
 # (SIGINT, then SIGKILL) inside the budget, the JSON then holds every step that finished.
 left=$((budget - (SECONDS - start) - 10))
+only=()
+if [[ -n ${ONLY:-} ]]; then
+  read -ra names <<<"$ONLY"
+  only=(--only "${names[@]}")
+fi
 timeout --signal=INT --kill-after=15 "$((left + 10))" \
-  "$py" -m benchmarks.gpu_checks "$out" "${rehearse[@]}" --budget-s "$left" --wheels "$wheel_note"
+  "$py" -m benchmarks.gpu_checks "$out" "${rehearse[@]}" --budget-s "$left" \
+  --wheels "$wheel_note" "${only[@]}"
 status=$?
 echo "gpu_checks: exit $status after $((SECONDS - start)) s; results in $out/gpu-checks.json"
 exit "$status"

@@ -118,6 +118,7 @@ def test_test_summary_from_junit_and_from_a_cut_log(tmp_path: Path) -> None:
         '<skipped type="pytest.skip" message="needs two GPUs"/></testcase>'
         '<testcase classname="" name="tests.unit.test_b" time="0">'
         '<error message="collection failure">ImportError</error></testcase>'
+        '<testcase time="0.000" />'  # the test a SIGINT stopped
         "</testsuite></testsuites>"
     )
     got = gpu_checks.summarize_tests(xml, "")
@@ -134,6 +135,9 @@ def test_test_summary_from_junit_and_from_a_cut_log(tmp_path: Path) -> None:
     got = gpu_checks.summarize_tests(tmp_path / "missing.xml", log)
     assert (got["passed"], got["failed"], got["skipped"], got["source"]) == (1, 1, 1, "log")
     assert got["failing"] == ["tests/unit/test_a.py::test_p[bf16-2]"]
+    assert gpu_checks.interrupted_test(log) is None
+    cut = log + "tests/unit/test_b.py::test_long \n"  # SIGINT while it ran: no outcome
+    assert gpu_checks.interrupted_test(cut) == "tests/unit/test_b.py::test_long"
 
 
 def test_gpu_test_files_and_the_device_call() -> None:

@@ -274,7 +274,7 @@ def steps(args: argparse.Namespace, out: Path, work: Path) -> list[Step]:
     def pytest(name: str, budget: float, marks: str, files: list[str], *extra: str) -> Step:
         xml = out / f"{name}.xml"
         argv = [py, "-m", "pytest", "-m", marks, *extra, "-v", "-rA", "-p", "no:cacheprovider"]
-        argv += ["--continue-on-collection-errors", "-o", "timeout=150", "--durations=15"]
+        argv += ["--continue-on-collection-errors", "-o", "timeout=90", "--durations=15"]
         argv += ["--junitxml", str(xml), *files]
         return Step(name, budget, argv, _parse_tests, f"{name}.log", work=xml)
 

@@ -172,7 +172,9 @@ def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
     def reference(rows: torch.Tensor) -> torch.Tensor:
         padded = torch.zeros(-(-rows.shape[0] // 64) * 64, k, dtype=dtype)
         padded[: rows.shape[0]] = rows
-        if dtype == torch.float32:
+        if dtype == torch.float32:  # one bmm over the tiles, never a batch of one (tiles.py)
+            if padded.shape[0] == 64:
+                padded = torch.cat([padded, torch.zeros_like(padded)])
             a = padded.view(-1, 64, k)
             w = weight.t().unsqueeze(0).expand(a.shape[0], k, n)
             out = torch.bmm(a, w) if b is None else torch.baddbmm(b.expand(*a.shape[:2], n), a, w)
@@ -185,8 +187,37 @@ def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
 
     for m in (1, 64, 100, 128, 448, tiles.CHUNK_ROWS, tiles.CHUNK_ROWS + 1, x.shape[0]):
         assert torch.equal(tiled_mm(x[:m], weight, 64, b), reference(x[:m])), m
-    # This machine's kernels pass the check (else the chunks would buy nothing here) ...
-    assert tiles.chunk_verified(weight, b, 64, tiles.CHUNK_ROWS)
+    # The check says what this machine's kernels do (which shapes verify depends on the CPU's
+    # kernels: a 896 -> 128 bf16 GEMM with a bias does on some Xeons and not on others): one
+    # CHUNK_ROWS-row call gives its tiles' bits exactly when the check passed ...
+    rows = x[: tiles.CHUNK_ROWS]
+    whole = torch.addmm(b, rows, weight.t()) if b is not None else rows @ weight.t()
+    if dtype != torch.float32:  # float32 tiles are one bmm: the check compares against that
+        assert tiles.chunk_verified(weight, b, 64, tiles.CHUNK_ROWS) == torch.equal(
+            whole, reference(rows)
+        )
     # ... and where a check fails, the tiles run one by one with the same bits.
     monkeypatch.setattr(tiles, "chunk_verified", lambda *a: False)
     assert torch.equal(tiled_mm(x, weight, 64, b), reference(x))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_rows_alone_equal_rows_among_many_at_a_real_width(threads):
+    """A float32 row's bits at a real model width (K = 896) are the same alone (one tile), in
+    one tile of many, and past a chunk, at one and two threads: a one-matrix bmm may be one
+    GEMM spread over the threads (other bits on MKL with AVX-512), so the tiles never run as a
+    batch of one."""
+    from oldlogit.parity import tiles
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(896)
+        weight = torch.randn(128, 896, generator=gen) * 0.05
+        bias = torch.randn(128, generator=gen)
+        x = torch.randn(tiles.CHUNK_ROWS + 100, 896, generator=gen)
+        many = tiled_mm(x, weight, 64, bias)
+        for m in (1, 7, 64, 65, 128, 200):
+            assert torch.equal(tiled_mm(x[:m], weight, 64, bias), many[:m]), m
+    finally:
+        torch.set_num_threads(before)

@@ -181,6 +181,17 @@ def _tiles(
     """The definition: x [t·T, K] → out [t·T, N], one GEMM shape per ``tile_rows`` rows."""
     if strategy == "bmm":
         tiles = x.shape[0] // tile_rows
+        if tiles == 1:
+            # A one-matrix bmm is one GEMM that the BLAS may spread over the threads, splitting
+            # its reduction: other bits than the same tile among others, where every matrix of
+            # the batch runs on one thread (measured: MKL, 2 threads, AVX-512, K >= 896 —
+            # tests/unit/test_tiles.py). A zero tile beside it makes it a batch like any other.
+            two = x.new_zeros(2 * tile_rows, x.shape[1])
+            two[:tile_rows] = x
+            pair = out.new_empty(2 * tile_rows, out.shape[1])
+            _tiles(two, w_t, bias, pair, tile_rows, strategy)
+            out.copy_(pair[:tile_rows])
+            return
         a = x.view(tiles, tile_rows, x.shape[1])
         b = w_t.unsqueeze(0).expand(tiles, *w_t.shape)
         o = out.view(tiles, tile_rows, w_t.shape[1])

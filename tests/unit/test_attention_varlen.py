@@ -404,3 +404,35 @@ def test_the_gradient_through_the_varlen_plan_is_the_cpu_paths():
 
     for a, b in zip(grads(True), grads(False), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_spec_names_the_attention_route_each_config_takes(monkeypatch):
+    """On CUDA the spec's attention names the route its layers take (decided as a call's is);
+    on CPU it is the one invariant name it always was."""
+    from transformers import Gemma2Config, Qwen2Config
+
+    from oldlogit.parity import attention
+    from oldlogit.parity.kernels.cuda.varlen_attention import OpSupport
+
+    every = OpSupport(flash=True, flash_window=True, flash_num_splits=True, efficient=True)
+    monkeypatch.setattr(attention, "op_support", lambda index: every)
+    cuda = torch.device("cuda", 0)
+    qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    name = attention.config_attention_name
+    assert name(qwen, torch.bfloat16, cuda) == "oldlogit_invariant/varlen-flash"
+    assert name(qwen, torch.float32, cuda) == "oldlogit_invariant/varlen-efficient"
+    windowed = Qwen2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=2,
+    )
+    # fp32 with a window goes per sequence (the efficient kernel's window is not checked).
+    routes = name(windowed, torch.float32, cuda).removeprefix("oldlogit_invariant/").split("+")
+    assert "sdpa" in routes
+    gemma = Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert name(gemma, torch.bfloat16, cuda).endswith("/eager")
+    assert name(qwen, torch.bfloat16, torch.device("cpu")) == "oldlogit_invariant/sdpa"

@@ -830,6 +830,35 @@ def recording_routes() -> Iterator[dict[int, str]]:
         _routes_seen.reset(token)
 
 
+def config_attention_name(config: Any, dtype: torch.dtype, device: torch.device) -> str:
+    """The attention a spec reports for a model of ``config`` computing in ``dtype`` on
+    ``device``: ``route_name`` of the route its layers take (several joined by "+", e.g. a
+    windowed fp32 layer beside global ones), decided by the same ``layer_route`` as a call.
+    On CPU every layer is SDPA or eager per sequence, as before."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = int(getattr(text, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(text, "head_dim", 0) or getattr(text, "hidden_size", heads) // heads)
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None) or ()
+    use_window = getattr(text, "use_sliding_window", window is not None)
+    windows = {
+        window if (use_window and window and t != "full_attention") else None
+        for t in (layer_types or ["sliding_attention" if use_window else "full_attention"])
+    }
+    params = {
+        "softcap": getattr(text, "attn_logit_softcapping", None),
+        "dropout": 0.0,  # dropout on in a forward is refused (ops.ActiveDropout)
+        "scaling": head_dim**-0.5,
+    }
+    kernels = sorted(
+        {
+            layer_route(device, dtype, {**params, "sliding_window": w}, head_dim, head_dim).kernel
+            for w in windows
+        }
+    )
+    return f"{ATTENTION_NAME}/{'+'.join(kernels)}"
+
+
 def route_name(route: Route) -> str:
     """The attention a spec reports for ``route``, e.g. "oldlogit_invariant/varlen-flash"."""
     return f"{ATTENTION_NAME}/{route.kernel}"

@@ -65,6 +65,7 @@ from .attention import (
     ATTENTION_NAME,
     SEGMENTS_KWARG,
     InvariantNumericsError,
+    config_attention_name,
     expecting_windows,
     plan_for,
 )
@@ -532,13 +533,15 @@ def local_spec(
     weight = head.weight
     device_kind = weight.device.type if weight.device.type != "meta" else "cpu"
     config = getattr(core, "config", None)
+    if dtype is None:
+        dtype = compute_dtype(core, None, sharded=sharded_precision(model)).dtype
     attn = (
-        ATTENTION_NAME
+        config_attention_name(config, dtype, weight.device)
+        if profile == "invariant" and weight.device.type == "cuda"
+        else ATTENTION_NAME
         if profile == "invariant"
         else str(getattr(config, "_attn_implementation", "eager"))
     )
-    if dtype is None:
-        dtype = compute_dtype(core, None, sharded=sharded_precision(model)).dtype
     if buffers is None:
         buffers = {clean_name(n): b for n, b in reference_buffers(core).items()}
     return NumericsSpec(

@@ -27,6 +27,7 @@ from oldlogit.contract.layout import WeightLayout
 from oldlogit.contract.numerics import config_fields
 from oldlogit.contract.types import MoeInfo
 from oldlogit.parity import DEFAULT_TILE_ROWS, NumericsSpec, Profile
+from oldlogit.parity.attention import config_attention_name
 from oldlogit.parity.kernels import kernel_set
 from oldlogit.parity.numerics import hardware_name, transformers_version
 from oldlogit.parity.skeleton import buffer_digests, reference_buffers
@@ -163,7 +164,11 @@ class LoadedModel:
             tile_rows=self.tile_rows,
             threads=torch.get_num_threads() if self.device.type == "cpu" else 0,
             lm_head_fp32=lm_head_fp32,
-            attention=self.attn_implementation or "eager",
+            attention=(
+                config_attention_name(self.module.config, self.dtype, self.device)
+                if self.profile == "invariant" and self.device.type == "cuda"
+                else self.attn_implementation or "eager"
+            ),
             torch_version=torch.__version__,
             buffers=buffer_digests(reference_buffers(self.module)),
             transformers_version=transformers_version(),

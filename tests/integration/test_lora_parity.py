@@ -22,11 +22,9 @@ from torch import Tensor
 from oldlogit.parity import (
     ActiveDropout,
     InvariantNumericsError,
-    ParityBroken,
     patch_numerics,
     token_logprobs,
     trainer_numerics,
-    verify,
 )
 from oldlogit.parity.lora import Adapter, adapter_from_peft, serving_adapters
 from oldlogit.parity.skeleton import build_skeleton
@@ -315,15 +313,3 @@ def test_peft_mixed_adapter_batch_is_refused_and_is_another_function() -> None:
         single = pm(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     assert not torch.equal(mixed[real], single[real])
-
-
-class _FakeVerifyClient:
-    def info(self) -> Any:  # verify refuses before it asks the service anything
-        raise AssertionError("verify asked the service")
-
-
-def test_verify_refuses_a_peft_model_by_name() -> None:
-    pm, _ = _peft("qwen2", torch.float32, r=4, lora_alpha=8, target_modules=ATTENTION)
-    with pytest.raises(InvariantNumericsError, match="verify does not cover LoRA adapter"):
-        verify(pm, _FakeVerifyClient(), 1)
-    _ = ParityBroken  # verify's other refusal; a PEFT model never reaches it

@@ -9,7 +9,8 @@ completion token — measured inside TRL's loss on the same tensors it uses, not
 detached logps (which would make it 1 trivially). TRL's plain bf16 forward, by contrast, is off
 from the service. With two optimizer steps per generation the second step trains on samples of
 the previous version: π_old is still the service's answer at that older version (bitwise), and
-the ratio then measures the staleness only.
+the ratio then measures the staleness only. With ``peft_config`` (LoRA) every version is an
+adapter version over one base version, and the ratio is exactly 1 all the same.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from oldlogit import Client
 from oldlogit.integrations.trl import OldLogitGRPOTrainer
 from oldlogit.parity import patch_numerics
+from oldlogit.parity.numerics import active_patch
 from oldlogit_service.config import Settings
 from oldlogit_service.server import ServerThread
 from tests.architectures import word_tokenizer
@@ -100,7 +102,12 @@ def fresh_server(tmp_path: Path, model_dir: Path) -> Iterator[ServerThread]:
 
 
 def _run(
-    server: Any, model_dir: Path, tmp_path: Path, steps_per_generation: int, cast: bool = False
+    server: Any,
+    model_dir: Path,
+    tmp_path: Path,
+    steps_per_generation: int,
+    cast: bool = False,
+    **trainer_kwargs: Any,
 ) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -148,6 +155,7 @@ def _run(
         train_dataset=dataset,
         processing_class=tokenizer,
         oldlogit=client,
+        **trainer_kwargs,
     )
     trainer.train()
     trainer.numerics.restore()
@@ -204,3 +212,84 @@ def test_grpo_samples_of_an_older_version_get_that_versions_pi_old(
                 )
                 same = torch.equal(again.logprobs[:, width:], old)
                 assert same is (version == generated), version
+
+
+@pytest.mark.parametrize(("base_version", "first_version"), [(None, 0), (0, 5)])
+def test_grpo_with_peft_config_publishes_adapters_ratio_exactly_one(
+    fresh_server, model_dir, tmp_path, base_version, first_version
+):
+    """LoRA (``peft_config``): the base once (published by the trainer at ``first_version``,
+    a no-op when the service holds it, or named by ``base_version``), then one adapter version
+    per step over it; π_θ of the PEFT model is the service's π_old at the adapter version."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer, client = _run(
+        fresh_server,
+        model_dir,
+        tmp_path,
+        steps_per_generation=1,
+        peft_config=config,
+        base_version=base_version,
+        first_version=first_version,
+    )
+    first = first_version + (1 if base_version is None else 0)  # the first adapter version
+    assert trainer.base_version == 0 and trainer.verified_version == first
+    assert trainer.published_version == first + 3
+    ratios = torch.cat([r for _, _, r in trainer.ratios])
+    assert [gen for gen, _, _ in trainer.ratios] == [first, first + 1, first + 2]
+    assert ratios.numel() >= 3 * 4 and bool((ratios == 1.0).all()), ratios
+    with client:
+        infos = {v.policy_version: v for v in client.versions()}
+    adapters = [infos[v] for v in range(first, first + 4)]
+    assert all(a.kind == "adapter" and a.adapter_of == 0 for a in adapters)
+    assert len({a.weight_sha256 for a in adapters}) == 4  # every step moved the adapter
+    assert infos[0].kind != "adapter" and set(infos) == {0, *range(first, first + 4)}
+    assert max(trainer.plain_gaps) > 0.0
+
+
+def test_grpo_lora_base_version_refusals(fresh_server, model_dir, tmp_path):
+    """A ``base_version`` whose weights are not the model's base, and one given to a model
+    without LoRA, are refused before any step."""
+    from transformers import AutoModelForCausalLM
+
+    from oldlogit.contract.errors import WeightsMismatch
+
+    peft = pytest.importorskip("peft")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+    )
+    dataset = datasets.Dataset.from_dict({"prompt": ["w1 w2"] * 4})
+    common = dict(
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    with Client(fresh_server.grpc_url, token=WRITE_TOKEN) as client:
+        client.publish(1, other)
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])
+        with pytest.raises(WeightsMismatch, match="base weights are not version 1's") as err:
+            OldLogitGRPOTrainer(
+                model=model,
+                peft_config=config,
+                oldlogit=client,
+                base_version=1,
+                first_version=2,
+                **common,
+            )
+        assert err.value.parameter == "base_version"
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="no PEFT LoRA layers"):
+            OldLogitGRPOTrainer(
+                model=plain, oldlogit=client, base_version=0, first_version=2, **common
+            )
+        assert {v.policy_version for v in client.versions()} == {0, 1}  # nothing published
+    assert active_patch(model) is None and active_patch(plain) is None  # the patch undone

@@ -14,7 +14,10 @@ moved off the version. Also with two processes (FSDP2 sharding the model over a 
 2, each rank its share of the batch). verl's default activation checkpointing stays on (its
 recompute runs under the parity numerics; transformers 5.5.3 checkpoints in the layer's
 ``__call__``). An engine built with ``use_fused_kernels=True`` is refused, naming the option
-and its fix. Skipped without ``.venv-verl``.
+and its fix. verl's LoRA actor (``lora_rank`` > 0) publishes its adapter over the version verl
+loaded (``VerlEnginePatch.publish_adapter``, before and after an update): compute_log_prob is
+the adapter version's π_old bitwise, the update's ratio exactly 1, the canary passes on the
+FSDP2 ``PeftModel`` (two ranks: slow). Skipped without ``.venv-verl``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import pytest
 from safetensors.torch import save_file
 
-from tests.integration.conftest import start_served
+from tests.integration.conftest import WRITE_TOKEN, start_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.verl]
 REPO = Path(__file__).resolve().parents[2]
@@ -44,10 +47,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_workers(url: str, model_dir: Path, world: int) -> list[dict[str, Any]]:
+def run_workers(
+    url: str, model_dir: Path, world: int, *, lora: bool = False
+) -> list[dict[str, Any]]:
     """One verl worker process per rank (a gloo group of ``world``); each rank's result."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "VERL_"))}
     env.update(PYTHONPATH=str(REPO / "client"), PYTHONWARNINGS="ignore", RAY_DEDUP_LOGS="0")
+    env.update(OLDLOGIT_VERL_LORA="1" if lora else "0", OLDLOGIT_VERL_TOKEN=WRITE_TOKEN)
     argv = [str(VERL_PYTHON), str(WORKER), url, str(model_dir), str(VERSION)]
     port = str(free_port())
     procs = [
@@ -101,6 +107,49 @@ def test_verl_actor_log_prob_is_the_service_pi_old(
         served.server.stop()
     for result in results:
         check(f"{dtype} rank {result['rank']}/{world}", result)
+
+
+@pytest.mark.skipif(
+    not VERL_PYTHON.exists(),
+    reason="needs .venv-verl (verl 0.9.1 on transformers 5.5.3): run scripts/trainer_venv.sh",
+)
+@pytest.mark.parametrize(
+    "world", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+)
+def test_verl_lora_actor_publishes_adapters_pi_theta_is_pi_old(
+    world: int, model_dir: Path, tmp_path: Path
+) -> None:
+    """verl's LoRA actor (``lora_rank`` 4 over all linears, float32 masters, a bfloat16
+    forward): its adapter, published over the version verl loaded, is served bitwise equal
+    to compute_log_prob, and verl's update sees a ratio of exactly 1."""
+    served = start_served(tmp_path, model_dir, dtype="bfloat16")
+    try:
+        trainer_dir = tmp_path / "trainer"
+        trainer_dir.mkdir()
+        (trainer_dir / "config.json").write_text((model_dir / "config.json").read_text())
+        weights = {k: v.contiguous() for k, v in served.weights[VERSION].items()}
+        save_file(weights, str(trainer_dir / "model.safetensors"), metadata={"format": "pt"})
+        results = run_workers(served.url("http"), trainer_dir, world, lora=True)
+    finally:
+        served.server.stop()
+    for result in results:
+        label = f"lora rank {result['rank']}/{world}"
+        print(f"\n[{label}] seconds {result['seconds']}")
+        first, second = result["adapters"]
+        for entry in (first, second):
+            assert entry["kind"] == "adapter"  # on every rank, once rank 0 has published
+            for run in entry["compute_log_prob"]:
+                print(f"[{label} v{entry['version']}] {run}")
+                assert run["tokens"] > 0 and run["bitwise_equal"] == run["tokens"], run
+            up = entry["update"]
+            print(f"[{label} v{entry['version']}] update {up}")
+            assert up["ratio_exactly_one"] == up["bitwise_equal"] == up["tokens"] > 0, up
+            assert all(v == 0.0 for v in up["ppo_kl"]) and up["grad_norm"] > 0
+            assert up["after_step"]["bitwise_equal"] < up["after_step"]["tokens"]
+        # lora_B starts at 0 (the base's bits); after a step the adapter is a real term.
+        assert first["vs_base"]["bitwise_equal"] == first["vs_base"]["tokens"]
+        assert second["vs_base"]["bitwise_equal"] < second["vs_base"]["tokens"]
+        assert second["verify_tokens"] > 100
 
 
 def check(label: str, result: dict[str, Any]) -> None:

@@ -216,7 +216,9 @@ def rollout_batch(seed: int, vocab: int, temperature: float) -> DataProto:
     )
 
 
-def build(model_dir: str, *, remove_padding: bool, dtype: str, fused: bool = False) -> Any:
+def build(
+    model_dir: str, *, remove_padding: bool, dtype: str, fused: bool = False, lora_rank: int = 0
+) -> Any:
     """verl's actor worker (``ActorRolloutRefWorker``, role "actor") from verl's own PPO trainer
     config (``_generated_ppo_trainer.yaml``: its defaults), with what this CPU test changes."""
     import verl
@@ -229,6 +231,9 @@ def build(model_dir: str, *, remove_padding: bool, dtype: str, fused: bool = Fal
     model.use_remove_padding = remove_padding
     model.use_fused_kernels = fused
     model.fused_kernel_options = {"impl_backend": "torch"} if fused else {}
+    # LoRA: verl's get_peft_model over the loaded weights (target_modules: verl's all-linear).
+    if lora_rank:
+        model.lora_rank, model.lora_alpha = lora_rank, 2 * lora_rank
     # enable_gradient_checkpointing: verl's default (True), whose recompute runs under the
     # parity numerics (transformers 5.5.3 checkpoints in the layer's __call__).
     assert model.enable_gradient_checkpointing
@@ -416,9 +421,39 @@ def main(url: str, model_dir: str, version: int) -> dict[str, Any]:
     return result
 
 
+def main_lora(url: str, model_dir: str, base: int) -> dict[str, Any]:
+    """verl's LoRA actor (``lora_rank`` 4): its adapter published over ``base`` (the weights
+    verl loaded) before and after an update; compute_log_prob and the update's ratio against
+    the service's π_old at each adapter version; the canary on the second."""
+    result: dict[str, Any] = {"rank": RANK, "world": WORLD, "adapters": []}
+    start = time.perf_counter()
+    token = os.environ["OLDLOGIT_VERL_TOKEN"]  # the service's write token
+    with Client(url, timeout_s=120, token=token) as client:
+        info = client.info()
+        torch.set_num_threads(info.threads)
+        dist.init_process_group("gloo")
+        worker = build(model_dir, remove_padding=True, dtype=info.dtype, lora_rank=4)
+        patch = patch_verl_engine(worker, client)
+        for step, version in enumerate((20, 21)):
+            published = patch.publish_adapter(version, base_version=base)
+            entry: dict[str, Any] = {"version": version, "kind": published.kind}
+            if step == 1:
+                entry["verify_tokens"] = patch.verify(version, temperature=0.7).tokens
+            batch, old, runs = log_prob_runs(client, worker, version, 384, 0.7)
+            entry["compute_log_prob"] = runs
+            base_lp = compute_old_log_prob(client, batch, policy_version=base, temperature=0.7)
+            entry["vs_base"] = compare(old, base_lp["old_log_probs"], batch.batch["response_mask"])
+            entry["update"] = update_run(worker, batch, old)
+            result["adapters"].append(entry)
+        patch.restore()
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
 if __name__ == "__main__":
     try:
-        out = main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+        lora = os.environ.get("OLDLOGIT_VERL_LORA") == "1"
+        out = (main_lora if lora else main)(sys.argv[1], sys.argv[2], int(sys.argv[3]))
     except Exception:
         out = {"error": traceback.format_exc()}
     print("RESULT " + json.dumps(out), flush=True)

@@ -11,6 +11,11 @@ In: TRL's ``GRPOTrainer`` arguments plus ``oldlogit=Client(...)``. While it trai
 - π_θ is ``oldlogit.parity.token_logprobs`` with the model patched for the whole run
   (``patch_numerics``, the service's numerics via ``like=``), so at zero staleness
   π_θ / π_old is exactly 1 and later the ratio measures staleness only.
+With ``peft_config`` (or a PEFT LoRA model) each version is an adapter version
+(``Client.publish_adapter``) over one base version holding the weights under the adapter:
+``base_version=B`` names a base the service holds (its weights checked by hash), otherwise
+the trainer publishes the base itself at ``first_version`` and the adapters from
+``first_version + 1``; a LoRA term the parity patch does not vouch for is refused by name.
 ``patch=False`` keeps TRL's own π_θ (then the ratio also holds the numerics gap). With the patch,
 the first scored version is checked by ``oldlogit.parity.verify`` (a canary scored on both
 sides; ``ParityBroken`` names the first diverging stage) before any step trains on it, and
@@ -28,6 +33,10 @@ import trl
 from transformers import TrainerCallback
 
 from oldlogit.parity import NumericsMismatch, patch_numerics, token_logprobs, verify
+from oldlogit.parity.canary import published_adapter, published_sha256
+from oldlogit.parity.lora_trainer import adapter_tensor, lora_layers
+from oldlogit.parity.numerics import unwrap_model
+from oldlogit.parity.setups import clean_name
 
 __all__ = ["OldLogitGRPOTrainer"]
 
@@ -50,6 +59,8 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
     ``watermark_lag``: after each generation, tell the service it will never be asked below
     ``version - watermark_lag`` (None: never). ``verify``: run the parity canary on the first
     scored version (with ``patch``); ``verify_every``: and every that many versions after.
+    ``base_version``: with LoRA, the published version holding the base weights (None: the
+    trainer publishes them at ``first_version``; see the module docstring).
     """
 
     def __init__(
@@ -62,6 +73,7 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
         watermark_lag: int | None = None,
         verify: bool = True,
         verify_every: int | None = None,
+        base_version: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -84,19 +96,68 @@ class OldLogitGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
         )
         self.published_version = -1
         self.generated_version = -1  # the version the buffered samples were generated with
+        # LoRA: adapter versions over ``base_version``; the first step's version follows it.
+        self.base_version: int | None = None
+        self.step_version = first_version  # the version of global_step 0
+        try:
+            if lora_layers(unwrap_model(self.model)):
+                self._set_base(base_version)
+            elif base_version is not None:
+                raise ValueError("base_version: the model has no PEFT LoRA layers (no peft_config)")
+        except BaseException:
+            if self.numerics is not None:
+                self.numerics.restore()  # a refused trainer leaves the model as it was
+            raise
         self.add_callback(_PublishEachStep(self))
         self.publish_weights()
 
+    def _set_base(self, base_version: int | None) -> None:
+        """The base version the adapters go over: published here at ``first_version`` (a no-op
+        when the service holds those weights there), or one the service holds, checked."""
+        from oldlogit.contract.errors import WeightsMismatch
+
+        model = self.accelerator.unwrap_model(self.model)
+        if base_version is None:
+            core = unwrap_model(model)
+            state = {
+                clean_name(k): v.detach()
+                for k, v in core.state_dict().items()
+                if not adapter_tensor(k)  # the weights under the adapter, as before PEFT
+            }
+            self.oldlogit.publish(self.first_version, state, cast=self.oldlogit_cast)
+            self.base_version, self.step_version = self.first_version, self.first_version + 1
+            return
+        if self.first_version <= base_version:
+            raise ValueError(
+                f"first_version {self.first_version}: the adapter versions come after "
+                f"base_version {base_version}; start past it"
+            )
+        ours = published_sha256(model, self.oldlogit.info())
+        theirs = self.oldlogit.version(base_version).weight_sha256
+        if ours != theirs:
+            raise WeightsMismatch(
+                f"the model's base weights are not version {base_version}'s (sha256 "
+                f"{ours[:12]}… here, {theirs[:12]}… there): pass the version holding the "
+                "weights under the adapter, or base_version=None to publish them",
+                parameter="base_version",
+            )
+        self.base_version = base_version
+
     def publish_weights(self) -> None:
-        """Publish the current weights as version ``first_version + global_step`` (once)."""
-        version = self.first_version + int(self.state.global_step)
+        """Publish the current weights (with LoRA: the adapter over ``base_version``) as
+        version ``step_version + global_step`` (once)."""
+        version = self.step_version + int(self.state.global_step)
         if version <= self.published_version:
             return
         model = self.accelerator.unwrap_model(self.model)
-        state = {k: v.detach() for k, v in model.state_dict().items()}
-        self.oldlogit.publish(
-            version, state, delta=True, fallback_full=True, cast=self.oldlogit_cast
-        )
+        if self.base_version is not None:
+            adapter = published_adapter(model)  # the active adapter, as the forward runs it
+            self.oldlogit.publish_adapter(version, adapter, base_version=self.base_version)
+        else:
+            state = {k: v.detach() for k, v in model.state_dict().items()}
+            self.oldlogit.publish(
+                version, state, delta=True, fallback_full=True, cast=self.oldlogit_cast
+            )
         self.published_version = version
 
     def _maybe_verify(self, version: int) -> None:

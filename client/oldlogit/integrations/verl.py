@@ -31,6 +31,10 @@ the service's at the same weights, so at zero staleness verl's PPO ratio is exac
 - options that bypass the model's logits or its per-sequence forward are refused by name:
   ``use_fused_kernels``, ``use_liger``, Ulysses sequence parallelism. Activation checkpointing
   (verl's default) is fine: its recompute runs under the same numerics.
+verl's LoRA actor (``lora_rank > 0``: a PEFT model under FSDP2) is patched the same way;
+``VerlEnginePatch.publish_adapter(version, base_version=B)`` publishes its adapter, gathered and
+in FSDP's ``param_dtype`` as the forward computes it, as an adapter version over the version
+``B`` of the weights verl loaded.
 With ``version=`` (the published version the weights are) the parity canary
 (``oldlogit.parity.verify``) runs at once, on every rank; ``VerlEnginePatch.verify(version)``
 repeats it. The returned ``VerlEnginePatch`` undoes everything (``restore()``, or use it as a
@@ -296,6 +300,35 @@ class VerlEnginePatch:
         if self.client is None:
             raise ValueError("verify needs the client: patch_verl_engine(target, client)")
         return verify(self.engine.module, self.client, version, temperature=temperature)
+
+    def publish_adapter(self, version: int, *, base_version: int) -> Any:
+        """Publish the engine's LoRA adapter (verl ``lora_rank > 0``) as adapter version
+        ``version`` over ``base_version`` (the published version holding the weights verl
+        loaded under the adapter): the factors gathered from their shards and cast to FSDP's
+        ``param_dtype``, as the forward computes them (``oldlogit.parity.published_adapter``).
+        Call it on every rank (the gathers are collective); rank 0 publishes, and every rank
+        returns its ``PublishResult`` once the version is there (or raises its error)."""
+        import torch.distributed as dist
+
+        from oldlogit.parity.canary import published_adapter
+
+        if self.client is None:
+            raise ValueError("publish_adapter needs the client: patch_verl_engine(target, client)")
+        adapter = published_adapter(self.engine.module)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.client.publish_adapter(version, adapter, base_version=base_version)
+        outcome: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                outcome[0] = self.client.publish_adapter(
+                    version, adapter, base_version=base_version
+                )
+            except Exception as exc:  # every rank raises it, none asks for a missing version
+                outcome[0] = exc
+        dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def _wrap(self, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         engine = self.engine

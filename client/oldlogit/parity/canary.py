@@ -8,8 +8,10 @@ left-padded, under ``trainer_numerics`` with the service's numerics — and comp
 scored token bit for bit. When a bit differs it traces the first such sequence alone on both
 sides (``trace.forward_trace``; the service's ``/v1/trace``) and raises ``ParityBroken`` naming
 the first stage whose outputs differ: the embeddings, the rotary tables, layer k's attention
-or MLP output, the final norm, the head, or the processing. Under FSDP every rank must call it
-(the forwards and the gather are collective); the ranks agree on whether to trace.
+or MLP output, the final norm, the head, or the processing. A PEFT LoRA model is checked
+against an adapter version: its base weights against the base version's hash, its adapter
+against the adapter's. Under FSDP every rank must call it (the forwards and the gather are
+collective); the ranks agree on whether to trace.
 """
 
 from __future__ import annotations
@@ -27,9 +29,8 @@ from oldlogit.contract.numerics import SamplingParams
 from oldlogit.contract.safetensors import hash_sources
 from oldlogit.publishing.sources import is_dtensor, state_dict_sources
 
-from .attention import InvariantNumericsError
 from .logprobs import token_logprobs
-from .lora_trainer import lora_layers
+from .lora_trainer import adapter_tensor, lora_layers
 from .numerics import active_patch, trainer_numerics, unwrap_model
 from .setups import clean_name, sharded_precision
 from .trace import MAX_TRACE_TOKENS, TraceStage, describe_stage, first_divergence, forward_trace
@@ -39,6 +40,7 @@ __all__ = [
     "ParityBroken",
     "VerifyReport",
     "canary_samples",
+    "published_adapter",
     "published_sha256",
     "verify",
 ]
@@ -83,11 +85,14 @@ def canary_samples(
 def published_sha256(model: nn.Module, info: Any) -> str:
     """The weight hash of ``model``'s state dict as ``Client.publish(..., cast=True)`` would
     publish it: canonical names (``info.weight_layout()``), the serving dtype, DTensors
-    gathered (a collective: every rank calls it, in the same order)."""
+    gathered (a collective: every rank calls it, in the same order). Of a PEFT model: its
+    base's weights (``base_layer.`` dropped, no lora_A/lora_B), what its base version holds."""
 
     core = unwrap_model(model)
     state = {}
     for name, tensor in _full_state_dict(model, core).items():
+        if adapter_tensor(name):  # a PEFT model: its base's weights only (the base version)
+            continue
         value = tensor.full_tensor() if is_dtensor(tensor) else tensor
         state[clean_name(name)] = value.detach().to("cpu")
     return hash_sources(state_dict_sources(state, info.weight_layout(), cast=True))
@@ -150,36 +155,26 @@ def verify(
     service's numerics unless it is patched already; dropout is off for the canary (eval mode,
     restored after). A model not holding the version's weights raises ``WeightsMismatch``
     (parameter ``version``); a setup that cannot be bitwise raises ``NumericsMismatch`` or
-    ``InvariantNumericsError`` naming the cause, as ``trainer_numerics`` does; so does a model
-    with PEFT LoRA layers (adapter versions are not covered yet).
+    ``InvariantNumericsError`` naming the cause, as ``trainer_numerics`` does.
+
+    A PEFT LoRA model (one active adapter, as ``trainer_numerics`` takes it) is verified
+    against an adapter version (``Client.publish_adapter``): its base weights must hash to the
+    base version's, its adapter (``published_adapter``) to the adapter version's. The
+    trace names the first diverging stage as for full weights — the stages are the layers'
+    direct submodules, so a LoRA term and the base linear it sits on are one stage; the
+    message names the adapter's target modules inside that stage.
     """
-    from oldlogit.contract.errors import WeightsMismatch
     from oldlogit.contract.types import Sequence as WireSequence
 
     core = unwrap_model(model)
     if not callable(getattr(core, "get_output_embeddings", None)):
         raise TypeError(f"{type(core).__name__} is not a transformers causal LM")
-    if lora_layers(core):
-        raise InvariantNumericsError(
-            "verify does not cover LoRA adapter versions yet: it checks the model holds a "
-            "published version's full weights and traces that version's forward. Compare "
-            "token_logprobs under trainer_numerics with client.logprobs at the adapter "
-            "version instead, or verify the base (model.get_base_model() after "
-            "model.unload())"
-        )
+    targets = [name for name, _ in lora_layers(core)]
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     info = client.info()
     spec = info.numerics_spec()
     if check_weights:
-        ours = published_sha256(model, info)
-        theirs = client.version(version).weight_sha256
-        if ours != theirs:
-            raise WeightsMismatch(
-                f"the model does not hold the weights of version {version} as published "
-                f"(sha256 {ours[:12]}… here, {theirs[:12]}… there): verify a version the "
-                "trainer's weights were published as",
-                parameter="version",
-            )
+        _check_weights(model, client, info, version, adapted=bool(targets))
     max_len = int(info.limits.get("max_seq_len", MAX_TRACE_TOKENS))
     seqs = (
         [np.asarray(s, dtype=np.int64) for s in samples]
@@ -256,7 +251,104 @@ def verify(
             tokens_off=off,
             tokens=total,
         )
-    raise ParityBroken(head + where + _hint(stage), stage=stage, tokens_off=off, tokens=total)
+    raise ParityBroken(
+        head + where + (_lora_hint(stage, targets) or _hint(stage)),
+        stage=stage,
+        tokens_off=off,
+        tokens=total,
+    )
+
+
+def _check_weights(
+    model: nn.Module, client: Any, info: Any, version: int, *, adapted: bool
+) -> None:
+    """Raise ``WeightsMismatch`` (parameter ``version``) unless ``model`` holds ``version``:
+    full weights by their hash, a PEFT model's base by its base version's and its adapter by
+    the adapter version's (``AdapterUpload.sha256``, as ``Client.publish_adapter`` sends it)."""
+    from oldlogit.contract.errors import WeightsMismatch
+
+    served = client.version(version)
+    ours = published_sha256(model, info)
+    if adapted != (served.adapter_of is not None):
+        what = (
+            f"an adapter version over base version {served.adapter_of}"
+            if served.adapter_of is not None
+            else "full weights"
+        )
+        fix = (
+            "publish the adapter with Client.publish_adapter and verify that version"
+            if adapted
+            else "verify the PeftModel holding the adapter, or the base version"
+        )
+        raise WeightsMismatch(
+            f"version {version} is {what}, the model "
+            f"{'has' if adapted else 'has no'} PEFT LoRA layers: {fix}",
+            parameter="version",
+        )
+    if adapted:
+        base = client.version(served.adapter_of)
+        if ours != base.weight_sha256:
+            raise WeightsMismatch(
+                f"the model's base weights are not those of version {version}'s base version "
+                f"{served.adapter_of} (sha256 {ours[:12]}… here, {base.weight_sha256[:12]}… "
+                "there): the base version holds the model's weights before get_peft_model",
+                parameter="version",
+            )
+        ours = _adapter_sha256(model, ours)
+    if ours != served.weight_sha256:
+        kind = "adapter" if adapted else "weights"
+        raise WeightsMismatch(
+            f"the model does not hold the {kind} of version {version} as published "
+            f"(sha256 {ours[:12]}… here, {served.weight_sha256[:12]}… there): verify a version "
+            f"the trainer's {kind} were published as",
+            parameter="version",
+        )
+
+
+def published_adapter(model: nn.Module) -> Any:
+    """The active adapter of a PEFT model as its forward computes it, an
+    ``oldlogit.parity.lora.Adapter`` for ``Client.publish_adapter``: sharded factors gathered
+    (a collective: every rank calls it) and, under FSDP mixed precision, cast to its
+    ``param_dtype`` (FSDP casts the adapter for the forward too; autocast does not)."""
+    from .lora import Adapter, LoraSpec, adapter_from_peft
+
+    _, layer = lora_layers(unwrap_model(model))[0]
+    names = [a for a in layer.active_adapters if a in layer.lora_A]
+    adapter = adapter_from_peft(model, adapter_name=names[0] if names else "default")
+    _, dtype, _ = sharded_precision(model)
+    tensors: dict[str, Any] = {}
+    factor: Any
+    for name, factor in adapter.tensors.items():
+        full = (factor.full_tensor() if is_dtensor(factor) else factor).detach().to("cpu")
+        tensors[name] = full if dtype is None else full.to(dtype)
+    spec = adapter.spec.as_dict()
+    spec["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    return Adapter(LoraSpec.from_dict(spec), tensors)
+
+
+def _adapter_sha256(model: nn.Module, base_sha256: str) -> str:
+    """The weight hash ``Client.publish_adapter(version, published_adapter(model), ...)``
+    gives over a base of hash ``base_sha256``."""
+    from oldlogit.contract.adapters import AdapterConfig
+    from oldlogit.publishing.adapters import AdapterUpload
+
+    adapter = published_adapter(model)
+    config = AdapterConfig.from_dict(adapter.spec.as_dict())
+    return AdapterUpload.from_tensors(config, adapter.tensors).sha256(base_sha256)
+
+
+def _lora_hint(stage: str | None, targets: list[str]) -> str:
+    """For a PEFT model: the adapter's target modules inside the diverging stage ("" when
+    none: the usual hint then)."""
+    inside = [clean_name(t) for t in targets if stage and clean_name(t).startswith(f"{stage}.")]
+    if not inside:
+        return ""
+    shown = ", ".join(inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
+    return (
+        f". The stage holds the adapter's LoRA layers {shown}: the trace does not split a "
+        "LoRA term from the base linear under it — compare their lora_A/lora_B, scaling "
+        "(alpha, rank, rsLoRA) and dtype with the adapter version's"
+    )
 
 
 # What usually moves the bits at a stage (by a word in ``describe_stage``'s sentence).

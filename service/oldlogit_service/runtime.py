@@ -55,7 +55,7 @@ from oldlogit_service.metrics import Metrics, ServiceState
 from oldlogit_service.model.engine import Job, LoraWeights, SamplingParams
 from oldlogit_service.model.ewma import EwmaProxy, resolve_hashes
 from oldlogit_service.model.loaded import LoadedModel, weight_layout_info
-from oldlogit_service.scheduler import Result, Routed, Scheduler, WeightsRef
+from oldlogit_service.scheduler import Result, Routed, Scheduler, Stages, WeightsRef
 from oldlogit_service.snapshots import SnapshotStore, check_version
 from oldlogit_service.validate import Limits, SequencePlan, check_trace, plan_request
 
@@ -222,8 +222,6 @@ class Runtime:
         if any(not self.store.has(v) for v in wanted):  # published elsewhere: adopt it
             await self._blocking(lambda: self.control.prepare(wanted, tolerant=tolerant))
         bases = {v: b for v in wanted if self.store.has(v) for b in [self.store.adapter_base(v)]}
-        over = {v for v, b in bases.items() if b is not None}
-        loras = await self._blocking(self._loras, over) if over else {}
         weights, hashes = self._weights(wanted, req, bases)
         pending: list[_Pending] = []
         for plan in plans:
@@ -246,7 +244,13 @@ class Runtime:
             found = await self._cache(self.cache.get_many, [p.key for p in keyed])
             for p, value in zip(keyed, found, strict=True):
                 p.value = value
+        # The adapters of the jobs still to compute, pinned in the store's tiers until their
+        # forwards are done (a cached answer loads none).
+        over = {p.version for p in pending if p.value is None and bases.get(p.version) is not None}
+        loras: dict[int, LoraWeights] = {}
         try:
+            if over:
+                loras = await self._pinned_loras(over)
             for p in pending:
                 if p.value is None:
                     job = Job(
@@ -291,17 +295,59 @@ class Runtime:
             for p in pending:  # cancelled or failed requests leave nothing queued behind
                 if p.future is not None and not p.future.done():
                     p.future.cancel()
+            self._unpin_loras(loras, [p.future for p in pending if p.future is not None])
         return LogprobsResponse(
             results=self._stitch(plans, pending, hashes, routing=req.return_routing)
         )
 
-    def _loras(self, versions: set[int]) -> dict[int, LoraWeights]:
-        """The adapters of adapter versions (the store reads each once and keeps it)."""
-        out = {}
-        for v in versions:
-            a = self.store.adapter(v)
-            out[v] = LoraWeights(a.sha256, a.config.as_dict(), a.tensors)
+    def _pin_loras(self, versions: set[int]) -> dict[int, LoraWeights]:
+        """The adapters of adapter versions, each pinned in the store's memory tiers
+        (``SnapshotStore.pin_adapter``): all of them, or none (an error releases those
+        taken)."""
+        out: dict[int, LoraWeights] = {}
+        try:
+            for v in sorted(versions):
+                a = self.store.pin_adapter(v)
+                out[v] = LoraWeights(a.sha256, a.config.as_dict(), a.tensors)
+        except BaseException:
+            self._unpin_loras(out, [])
+            raise
         return out
+
+    async def _pinned_loras(self, versions: set[int]) -> dict[int, LoraWeights]:
+        """``_pin_loras`` in a thread; a request cancelled meanwhile releases the pins when
+        the thread is done taking them."""
+        task = asyncio.ensure_future(asyncio.to_thread(self._pin_loras, versions))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def release(t: asyncio.Future[dict[int, LoraWeights]]) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    self._unpin_loras(t.result(), [])
+
+            task.add_done_callback(release)
+            raise
+
+    def _unpin_loras(self, loras: Mapping[int, LoraWeights], futures: list[Future[Any]]) -> None:
+        """Release the adapters' pins once none of the jobs' ``futures`` is still pending."""
+        if not loras:
+            return
+        live = [f for f in futures if not f.done()]
+        if not live:
+            for v in loras:
+                self.store.residency.unpin(v)
+            return
+        left = [len(live)]
+
+        def done(_f: object) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                for v in loras:
+                    self.store.residency.unpin(v)
+
+        for f in live:
+            f.add_done_callback(done)
 
     def _weights(
         self, wanted: set[int], req: LogprobsRequest, bases: Mapping[int, int | None]
@@ -399,32 +445,36 @@ class Runtime:
             await self._blocking(lambda: self.control.prepare({version}, tolerant=False))
         sha = self.store.sha256(version)  # UnknownVersion / VersionEvicted
         base = self.store.adapter_base(version)
-        lora = None if base is None else (await self._blocking(self._loras, {version}))[version]
         n = len(req.token_ids)
-        job = Job(
-            token_ids=torch.from_numpy(req.token_ids),
-            positions=torch.arange(1, n, dtype=torch.int64),
-            sampling=SamplingParams(
-                temperature=float(req.temperature), top_k=int(req.top_k), top_p=float(req.top_p)
-            ),
-            trace=True,
-            adapter=lora,
-        )
         timeout = self.settings.request_timeout_s
-        future = self.scheduler.submit_trace(
-            WeightsRef.stored(version if base is None else base),
-            job,
-            deadline=time.monotonic() + timeout,
-        )
+        loras = {} if base is None else await self._pinned_loras({version})
+        future: Future[Stages] | None = None
         try:
+            job = Job(
+                token_ids=torch.from_numpy(req.token_ids),
+                positions=torch.arange(1, n, dtype=torch.int64),
+                sampling=SamplingParams(
+                    temperature=float(req.temperature),
+                    top_k=int(req.top_k),
+                    top_p=float(req.top_p),
+                ),
+                trace=True,
+                adapter=loras.get(version),
+            )
+            future = self.scheduler.submit_trace(
+                WeightsRef.stored(version if base is None else base),
+                job,
+                deadline=time.monotonic() + timeout,
+            )
             stages = await asyncio.wait_for(asyncio.wrap_future(future), timeout=timeout)
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"no trace within the service's request timeout ({timeout:g} s)"
             ) from exc
         finally:
-            if not future.done():  # cancelled or failed: nothing stays queued behind
-                future.cancel()
+            if future is not None and not future.done():  # cancelled or failed: nothing
+                future.cancel()  # stays queued behind
+            self._unpin_loras(loras, [] if future is None else [future])
         return Trace(
             policy_version=version,
             weight_sha256=sha,

@@ -170,3 +170,38 @@ def test_cli_publishes_an_adapter_directory(
     assert "version 60 published" in capsys.readouterr().out
     with Client(fresh.server.grpc_url) as c:
         assert c.version(60).adapter_of == BASE
+
+
+def _tier_bytes(url: str, tier: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f'oldlogit_tier_bytes{{tier="{tier}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no oldlogit_tier_bytes for {tier}")
+
+
+def test_adapters_in_the_tiers_reload_with_the_same_bits(fresh: Served, model_dir: Path) -> None:
+    """An adapter's tensors count in the device tier's bytes (/metrics); evicted with its base,
+    both reload and answer the same bits; a cached answer loads neither."""
+    a = _peft_model(fresh, model_dir, seed=70, r=4, lora_alpha=8, target_modules=["q_proj"])
+    rng = np.random.default_rng(70)
+    seqs = [rng.integers(0, fresh.model.vocab_size, n) for n in (9, 25)]
+    store = fresh.server.runtime.store  # type: ignore[union-attr]
+    url = fresh.server.http_url
+    with Client(url, token=WRITE_TOKEN) as c:
+        c.publish_adapter(70, a, base_version=BASE)
+        asked = [Sequence(token_ids=s, policy_version=70) for s in seqs]
+        first = c.logprobs_batch(asked, use_cache=False)
+        assert "device" in c.version(70).tiers
+        held = _tier_bytes(url, "device")
+        assert held == store.stats().tiers["device"].bytes
+        assert store.evict(70) and store.evict(BASE)
+        assert _tier_bytes(url, "device") == held - store.info(70).nbytes - store.info(BASE).nbytes
+        assert "device" not in c.version(70).tiers
+        again = c.logprobs_batch(asked, use_cache=True)  # both reloaded; the answers cached
+        assert "device" in c.version(70).tiers and "device" in c.version(BASE).tiers
+        assert store.evict(70)
+        cached = c.logprobs_batch(asked, use_cache=True)
+        assert all(r.cached for r in cached) and "device" not in c.version(70).tiers
+    for x, y, z in zip(first, again, cached, strict=True):
+        assert np.array_equal(x.logprobs, y.logprobs, equal_nan=True)
+        assert np.array_equal(x.logprobs, z.logprobs, equal_nan=True)

@@ -163,9 +163,9 @@ def test_publish_refusals_pinning_retention_and_restart(tmp_path: Path, files: P
     rec = store.info(1)
     assert (rec.kind, rec.base, rec.parent) == ("adapter", 0, None)
     assert 0 < rec.stored_nbytes < store.snapshot_nbytes
-    got = store.adapter(1)
-    assert got.base == 0 and got.config == CONFIG
-    assert all(torch.equal(got.tensors[k], v) for k, v in lora.items())
+    with store.adapter(1) as got:
+        assert got.base == 0 and got.config == CONFIG
+        assert all(torch.equal(got.tensors[k], v) for k, v in lora.items())
 
     # Refusals, by name.
     with pytest.raises(UnknownVersion) as unknown:
@@ -193,11 +193,12 @@ def test_publish_refusals_pinning_retention_and_restart(tmp_path: Path, files: P
     # A restart serves the adapter again, bytes checked.
     store = open_store(root)
     assert store.adapter_base(3) == 2 and store.info(1).kind == "adapter"
-    assert all(torch.equal(store.adapter(1).tensors[k], v) for k, v in lora.items())
+    with store.adapter(1) as got:
+        assert all(torch.equal(got.tensors[k], v) for k, v in lora.items())
     store.set_watermark(2)  # adapter 1 goes, then its base 0 with it
     assert [r.version for r in store.versions()] == [2, 3]
-    with pytest.raises(VersionEvicted):
-        store.adapter(1)
+    with pytest.raises(VersionEvicted), store.adapter(1):
+        pass
     store.delete(3)
     store.delete(2)  # no adapter over it any more
     store.close()
@@ -243,8 +244,134 @@ def test_a_lost_base_or_a_corrupt_adapter_file_retires_the_adapter(
     for v in (0, 1):
         with pytest.raises(VersionEvicted):
             store.info(v)
-    with pytest.raises(VersionEvicted, match="failed verification"):
-        store.adapter(3)
+    with pytest.raises(VersionEvicted, match="failed verification"), store.adapter(3):
+        pass
     assert [r.version for r in store.versions()] == [2]
     store.delete(2)  # its adapter is gone: deletable
+    store.close()
+
+
+def test_adapters_in_the_memory_tiers_budget_lru_pins_and_leases(
+    tmp_path: Path, files: Path
+) -> None:
+    """An adapter's tensors sit in the device tier (process memory on CPU) under its byte
+    budget: counted, evicted LRU among unpinned copies, never while pinned; the base pinned
+    apart; the same bytes after every reload."""
+    now = [0.0]
+
+    def clock() -> float:  # 100 s between uses: the LRU order is the use order, by construction
+        now[0] += 100.0
+        return now[0]
+
+    base_nbytes = sum(4 * int(np.prod(shape)) for _, shape in SPECS.values())
+    loras = {v: make_lora(v) for v in (1, 2, 3, 4)}
+    a_nbytes = sum(t.numel() * 4 for t in loras[1].values())
+    # The base and three adapters fit; a fourth does not.
+    store = open_store(
+        tmp_path / "snap", device_budget_bytes=base_nbytes + 3 * a_nbytes, clock=clock
+    )
+    store.publish(0, make_sd(0))
+    for v, lora in loras.items():
+        store.publish_adapter(v, adapter_file(files, lora, CONFIG), base_version=0)
+    assert store.info(1).nbytes == a_nbytes and store.info(1).tiers == {"disk"}
+
+    def device() -> tuple[int, int]:
+        t = store.stats().tiers["device"]
+        return t.bytes, t.evictions
+
+    def resident() -> set[int]:
+        return {r.version for r in store.versions() if "device" in r.tiers}
+
+    def use(v: int) -> None:
+        with store.adapter(v) as got:
+            assert got.config == CONFIG
+            assert all(torch.equal(got.tensors[k], t) for k, t in loras[v].items())
+
+    store.hold(0)  # the base pinned: the adapters compete among themselves
+    for v in (1, 2, 3):
+        use(v)
+    assert resident() == {0, 1, 2, 3} and device() == (base_nbytes + 3 * a_nbytes, 0)
+    use(1)  # LRU order now 2, 3, 1
+    use(4)  # the least recently used adapter (2) goes
+    assert resident() == {0, 1, 3, 4} and device() == (base_nbytes + 3 * a_nbytes, 1)
+    with store.adapter(3):  # pinned while in use: 3 is the LRU one, yet 1 goes
+        use(4)
+        use(2)
+        assert resident() == {0, 2, 3, 4}
+    assert device() == (base_nbytes + 3 * a_nbytes, 2)
+    store.unhold(0)
+
+    # A resident adapter whose base left memory: the base loads again, the adapter is served.
+    assert store.evict(0) and resident() == {2, 3, 4}
+    with store.acquire(0), store.adapter(3) as got:
+        assert all(torch.equal(got.tensors[k], t) for k, t in loras[3].items())
+    assert 0 in resident()
+
+    # A leased adapter stays on disk below the watermark; the others go (and leave memory).
+    lease = store.lease(3, "trainer", 60.0)
+    store.set_watermark(4)
+    assert [r.version for r in store.versions()] == [0, 3, 4]
+    assert resident() <= {0, 3, 4}
+    use(3)
+    store.release(lease.lease_id)
+    assert [r.version for r in store.versions()] == [0, 4]
+    assert device()[0] == sum(
+        r.nbytes for r in store.versions() if "device" in r.tiers
+    )  # the tier's bytes are the resident copies'
+    store.close()
+
+
+class _Ranks:
+    """What ``FrontStore`` asks of ``ranks.front.Front``, without rank processes: every part
+    placed at once."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+
+    def place(self, version: int, weights: object) -> list[str]:
+        self.held.add(version)
+        return ["0" * 64]
+
+    def versions(self) -> set[int]:
+        return set(self.held)
+
+    def retain(self, keep: set[int]) -> None:
+        self.held &= keep
+
+
+def test_tensor_parallel_refuses_adapters_and_says_what_to_change(
+    tmp_path: Path, files: Path
+) -> None:
+    from oldlogit_service.ranks.store import FrontStore
+
+    def front_store(root: Path) -> FrontStore:
+        return FrontStore(
+            root,
+            front=_Ranks(),  # type: ignore[arg-type]
+            param_specs=SPECS,
+            device="cpu",
+            device_budget_bytes=1 << 30,
+            host_budget_bytes=0,
+            disk_budget_bytes=1 << 30,
+            max_versions=100,
+        )
+
+    store = front_store(tmp_path / "tp")
+    store.place_all()
+    store.publish(0, make_sd(0))
+    with pytest.raises(InvalidRequest, match=r"--tensor-parallel 1 \(") as refused:
+        store.publish_adapter(1, adapter_file(files, make_lora(1), CONFIG), base_version=0)
+    assert refused.value.parameter == "base_version"
+    assert not store.has(1) and store.has(0)
+    store.close()
+
+    # A directory a --tensor-parallel 1 replica left adapters in: the start is refused, by name.
+    root = tmp_path / "one"
+    single = open_store(root)
+    single.publish(0, make_sd(0))
+    single.publish_adapter(1, adapter_file(files, make_lora(1), CONFIG), base_version=0)
+    single.close()
+    store = front_store(root)
+    with pytest.raises(InvalidRequest, match=r"adapter versions \[1\].*--tensor-parallel 1"):
+        store.place_all()
     store.close()

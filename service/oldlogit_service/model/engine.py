@@ -105,14 +105,16 @@ def cpu_forward_tokens(config: Mapping[str, object], dtype: torch.dtype, tile_ro
     return max(512, tokens - tokens % tile)
 
 
-# Adapters kept on the device (by hash) for the batches that follow: small next to a version.
-ADAPTERS_ON_DEVICE = 32
+# Adapter hashes whose tensors were checked against the model (no tensors kept: the store holds
+# an adapter's tensors in its tiers, under their budgets, pinned while its jobs run).
+ADAPTERS_CHECKED = 4096
 
 
 @dataclass(frozen=True, eq=False)
 class LoraWeights:
     """A LoRA adapter a job runs with over the batch's weights, named by its hash: its
-    ``LoraSpec.as_dict()`` and tensors (``<module>.lora_A`` [r, in], ``.lora_B`` [out, r])."""
+    ``LoraSpec.as_dict()`` and tensors (``<module>.lora_A`` [r, in], ``.lora_B`` [out, r]),
+    on the serving device when the store pinned them there (else copied for each batch)."""
 
     sha256: str
     spec: Mapping[str, Any]
@@ -202,7 +204,7 @@ class Engine:
             # Whole tiles per head call: only the last call's last tile is padded.
             self.head_rows -= self.head_rows % tile
         self._warned_weights_device = False
-        self._adapters: collections.OrderedDict[str, Adapter] = collections.OrderedDict()
+        self._checked: collections.OrderedDict[str, LoraSpec] = collections.OrderedDict()
         # The MoE blocks a routing record describes (None: a dense model, or no replay here).
         self.moe = (
             routing.moe_layout(model.module)
@@ -489,21 +491,40 @@ class Engine:
         )
 
     def _adapter(self, lora: LoraWeights) -> Adapter:
-        """The adapter on the serving device, checked against the model once, kept by hash."""
-        got = self._adapters.get(lora.sha256)
-        if got is not None:
-            self._adapters.move_to_end(lora.sha256)
-            return got
+        """The adapter on the serving device (its tensors as the store pinned them), checked
+        against the model once per hash."""
         device = self.model.device
         tensors = {k: t.to(device, non_blocking=True) for k, t in lora.tensors.items()}
+        spec = self._checked.get(lora.sha256)
+        if spec is not None:
+            self._checked.move_to_end(lora.sha256)
+            return Adapter(spec, tensors)
         got = Adapter(LoraSpec.from_dict(lora.spec), tensors)
         try:
             check_adapter(got, {n: shape for n, (_, shape) in self.model.param_specs.items()})
         except ValueError as exc:
             raise InvalidRequest(f"the adapter does not fit this model: {exc}") from exc
-        self._adapters[lora.sha256] = got
-        while len(self._adapters) > ADAPTERS_ON_DEVICE:
-            self._adapters.popitem(last=False)
+        # LoRA's definition is PEFT's on nn.Linear: a MoE router or fused experts (2-D weights
+        # of other modules) would see other rows than a linear's, and PEFT cannot train them.
+        modules = dict(self.model.module.named_modules())
+        head = getattr(self.model.module, "get_output_embeddings", lambda: None)()
+        for m in got.spec.target_modules:
+            if head is not None and modules.get(m) is head:
+                raise InvalidRequest(
+                    f"the adapter targets {m}, the model's head: not supported (train the "
+                    "adapter without it)",
+                    parameter="policy_version",
+                )
+            if not isinstance(modules.get(m), torch.nn.Linear):
+                raise InvalidRequest(
+                    f"the adapter targets {m} ({type(modules.get(m)).__name__}), not an "
+                    "nn.Linear of the model: LoRA adapters apply to linear layers only (a MoE "
+                    "router or the fused experts is not one); train the adapter without it",
+                    parameter="policy_version",
+                )
+        self._checked[lora.sha256] = got.spec
+        while len(self._checked) > ADAPTERS_CHECKED:
+            self._checked.popitem(last=False)
         return got
 
     def _on_device(self, weights: Mapping[str, Tensor]) -> Mapping[str, Tensor]:

@@ -31,7 +31,12 @@ from oldlogit_service.snapshots.tiers import DISK
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FrontStore"]
+__all__ = ["ADAPTERS_REFUSED", "FrontStore"]
+
+ADAPTERS_REFUSED = (
+    "adapter versions are not served under --tensor-parallel above 1 yet: publish them to a "
+    "replica started with --tensor-parallel 1 (one device holds the base and its adapters)"
+)
 
 
 class FrontStore(SnapshotStore):
@@ -47,6 +52,15 @@ class FrontStore(SnapshotStore):
         """At start-up: the versions every rank holds are visible; each retained version a rank
         lacks (a placement cut short, a rank's directory lost) is placed now."""
         with self._place_lock:
+            adapters = sorted(
+                v for v, sv in self.registry.records().items() if sv.kind == "adapter"
+            )
+            if adapters:
+                raise InvalidRequest(
+                    f"the snapshot directory holds adapter versions {adapters[:8]}: "
+                    f"{ADAPTERS_REFUSED}; or delete them there first",
+                    parameter="tensor_parallel",
+                )
             retained = set(self.registry.records())
             self._placed = self._front.versions() & retained
             for version in sorted(retained - self._placed):
@@ -125,10 +139,7 @@ class FrontStore(SnapshotStore):
         base_version: int,
         expected_sha256: str | None = None,
     ) -> PublishOutcome:
-        raise InvalidRequest(
-            "adapter versions are not served under --tensor-parallel above 1 yet",
-            parameter="base_version",
-        )
+        raise InvalidRequest(ADAPTERS_REFUSED, parameter="base_version")
 
     def adopt(self, version: int, path: Path, expected_sha256: str) -> PublishOutcome:
         raise InvalidRequest(

@@ -4,8 +4,9 @@
 one thing: ``registry`` (durable records, ordering, watermark, leases, disk retention),
 ``residency`` (memory tiers, loads, LRU), ``rebuild`` (keyframe + patch chains, the keyframe
 policy, rewrites), ``publish`` (ingest → verify → persist → register), ``adapters`` (adapter
-versions over a retained base) and ``lagging`` (the lagging model). Leaves that import nothing above them: ``ingest``, ``persist``, ``buffers``,
-``codec``, ``tiers``, ``leases``, ``records``.
+versions over a retained base; their tensors live in ``residency``'s tiers) and ``lagging``
+(the lagging model). Leaves that import nothing above them: ``ingest``, ``persist``,
+``buffers``, ``codec``, ``tiers``, ``leases``, ``records``.
 
 May import torch, safetensors and the client's contract; nothing else of the service (it is
 the bottom layer: the model zone, the cluster and the publishing parts build on it).

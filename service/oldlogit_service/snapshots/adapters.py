@@ -2,13 +2,13 @@
 
 In: a safetensors file of LoRA tensors (config in its metadata), the base version, the expected
 hash. Out: a durable record of kind "adapter" (temp → fsync → rename → registry, which keeps the
-base while the adapter is retained), and the adapter read back hash-checked into CPU memory
-(``ADAPTERS_KEPT`` most recent, outside the tiers' budgets). Stored whole, never rebuilt.
+base while the adapter is retained), and the adapter's file read back hash-checked into one CPU
+buffer (``read``), which ``residency.py`` keeps in the memory tiers like a version's weights.
+Stored whole, never rebuilt.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
@@ -38,12 +38,12 @@ from oldlogit_service.snapshots import persist
 from oldlogit_service.snapshots.buffers import TensorSource
 from oldlogit_service.snapshots.records import PublishOutcome
 from oldlogit_service.snapshots.registry import Registry
+from oldlogit_service.snapshots.residency import Resident
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTERS_KEPT", "Adapters", "StoredAdapter"]
+__all__ = ["Adapters", "StoredAdapter"]
 
-ADAPTERS_KEPT = 64  # adapters kept read in CPU memory (least recently used goes first)
 ADAPTER_FORMAT = "oldlogit-adapter"
 
 
@@ -55,7 +55,8 @@ class StoredAdapter:
     sha256: str
     base: int
     config: AdapterConfig
-    tensors: Mapping[str, torch.Tensor]  # "<module>.lora_A" [r, in], "<module>.lora_B" [out, r]
+    # "<module>.lora_A" [r, in], "<module>.lora_B" [out, r]: on the serving device while pinned
+    tensors: Mapping[str, torch.Tensor]
 
 
 class Adapters:
@@ -74,9 +75,9 @@ class Adapters:
         self._clock = clock
         self._clustered = clustered
         self._dir = registry.root / persist.WEIGHTS
-        self._kept: collections.OrderedDict[tuple[int, str], StoredAdapter] = (
-            collections.OrderedDict()
-        )
+        # Each adapter's config, by (version, file), parsed when its file was read: a few
+        # hundred bytes per retained adapter, dropped with it (``forget``).
+        self._configs: dict[tuple[int, str], AdapterConfig] = {}
         self._lock = threading.Lock()
 
     def publish(self, version: int, path: Path, base: int, expected: str | None) -> PublishOutcome:
@@ -198,35 +199,44 @@ class Adapters:
         )
 
     # -- reading ----------------------------------------------------------------------------
-    def load(self, sv: persist.StoredVersion) -> StoredAdapter:
-        """The adapter of record ``sv``, from memory or its file (hash-checked;
-        ``CorruptSnapshot`` if it fails)."""
-        key = (sv.version, sv.file)
-        with self._lock:
-            got = self._kept.get(key)
-            if got is not None:
-                self._kept.move_to_end(key)
-                return got
+    def read(self, sv: persist.StoredVersion, *, pin: bool) -> Resident:
+        """The adapter of record ``sv`` read from its file into one CPU buffer (page-locked
+        with ``pin``), hash-checked (``CorruptSnapshot`` if it fails); the residency keeps it
+        in the memory tiers, under their budgets, like a version's weights."""
         buf, header = persist.read_keyframe(
-            self._dir / sv.file, pin=False, expect_sha256=sv.file_sha256, version=sv.version
+            self._dir / sv.file, pin=pin, expect_sha256=sv.file_sha256, version=sv.version
         )
         try:
             config = AdapterConfig.from_json(header.metadata[ADAPTER_CONFIG_KEY])
         except (KeyError, InvalidRequest) as exc:
             raise persist.CorruptSnapshot(f"{sv.file}: no adapter config", sv.version) from exc
-        assert sv.base is not None
-        tensors = persist.tensor_views(buf, header.tensors.values())
-        out = StoredAdapter(sv.version, sv.sha256, sv.base, config, tensors)
         with self._lock:
-            self._kept[key] = out
-            while len(self._kept) > ADAPTERS_KEPT:
-                self._kept.popitem(last=False)
-        return out
+            self._configs[(sv.version, sv.file)] = config
+        layout = tuple(header.tensors.values())
+        return Resident(buf, layout, persist.tensor_views(buf, layout), header.nbytes)
+
+    def stored(
+        self, sv: persist.StoredVersion, tensors: Mapping[str, torch.Tensor]
+    ) -> StoredAdapter:
+        """The adapter of record ``sv`` with ``tensors`` (its resident copy's)."""
+        key = (sv.version, sv.file)
+        with self._lock:
+            config = self._configs.get(key)
+        if config is None:  # resident from before a config was parsed: read the header alone
+            header = read_safetensors_header(self._dir / sv.file)
+            try:
+                config = AdapterConfig.from_json(header.metadata[ADAPTER_CONFIG_KEY])
+            except (KeyError, InvalidRequest) as exc:
+                raise persist.CorruptSnapshot(f"{sv.file}: no adapter config", sv.version) from exc
+            with self._lock:
+                self._configs[key] = config
+        assert sv.base is not None
+        return StoredAdapter(sv.version, sv.sha256, sv.base, config, tensors)
 
     def forget(self, version: int) -> None:
         with self._lock:
-            for key in [k for k in self._kept if k[0] == version]:
-                del self._kept[key]
+            for key in [k for k in self._configs if k[0] == version]:
+                del self._configs[key]
 
     def file_ok(self, sv: persist.StoredVersion) -> bool:
         """Its file is there with the size recorded (the bytes are checked when read)."""

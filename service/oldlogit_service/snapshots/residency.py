@@ -1,11 +1,12 @@
 """Memory residency: which versions sit in the device and host tiers; loads and LRU eviction.
 
 In: pins of versions the registry retains, and a ``materialize(version)`` that builds a
-version's weights in a CPU buffer. Out: the version's tensors on the serving device, loaded
-once however many threads ask, with device bytes never above budget + one snapshot (the one
-being loaded). Decoded patches and rebuild bases live in the tier that holds CPU copies (device
-on CPU, host in front of a GPU) and compete in the same LRU, credited with what they would cost
-to rebuild. Never touches the registry, the disk layout or a patch's contents.
+version's weights (or an adapter version's LoRA tensors: entries like any other) in a CPU
+buffer. Out: the version's tensors on the serving device, loaded once however many threads
+ask, with device bytes never above budget + one snapshot (the one being loaded). Decoded
+patches and rebuild bases live in the tier that holds CPU copies (device on CPU, host in front
+of a GPU) and compete in the same LRU, credited with what they would cost to rebuild. Never
+touches the registry, the disk layout or a patch's contents.
 """
 
 from __future__ import annotations

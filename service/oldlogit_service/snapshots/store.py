@@ -85,9 +85,10 @@ class SnapshotStore:
 
     Decisions:
     - Memory tiers evict LRU among unpinned versions (ties: a copy one tier down first, then
-      the smaller), credited with rebuild cost. Device bytes stay <= budget + one snapshot: a
-      load that would go further (everything resident in use) waits for a release, up to
-      ``admission_timeout_s``, then raises ``Overloaded``.
+      the smaller), credited with rebuild cost; an adapter version's LoRA tensors are an entry
+      like a version's weights (``pin_adapter``), its base one of its own. Device bytes stay
+      <= budget + one snapshot: a load that would go further (everything resident in use)
+      waits for a release, up to ``admission_timeout_s``, then raises ``Overloaded``.
     - Disk: below the watermark first, then LRU while over ``max_versions`` or the byte budget;
       never a leased or in-use version, never the newest for budget reasons. Deleted versions
       are tombstoned (``VersionEvicted`` with the retained range), durably.
@@ -160,8 +161,8 @@ class SnapshotStore:
             pin_host=bool(dev.type == "cuda" if pin_host is None else pin_host),
             clock=clock,
             admission_timeout_s=admission_timeout_s,
-            materialize=lambda v: self.rebuilder.materialize(v),
-            rebuild_cost=lambda v: self.rebuilder.rebuild_cost(v),
+            materialize=self._materialize_any,
+            rebuild_cost=self._rebuild_cost,
             patch_cost=lambda v: self.rebuilder.patch_cost(v),
             gone=self.registry.missing_error,
         )
@@ -211,6 +212,25 @@ class SnapshotStore:
                 self._snapshot_nbytes,
             )
         self._retain()
+
+    def _materialize_any(self, version: int) -> Resident:
+        """A version's weights, or an adapter version's LoRA tensors, in a fresh CPU buffer."""
+        sv = self.registry.get(version)
+        if sv.kind == "adapter":
+            # Pageable: an adapter's copy is small, and its sizes would crowd the page-locked
+            # pool kept for snapshot-sized staging buffers (``buffers.PINNED_POOL``).
+            return self._adapters.read(sv, pin=False)
+        return self.rebuilder.materialize(version)
+
+    def _rebuild_cost(self, version: int) -> float:
+        """Snapshot loads to bring a copy back: an adapter's is its file's share of one."""
+        try:
+            sv = self.registry.get(version)
+        except OldLogitError:
+            return 1.0
+        if sv.kind == "adapter":
+            return sv.file_nbytes / max(1, self._snapshot_nbytes)
+        return self.rebuilder.rebuild_cost(version)
 
     def _file_ok(self, sv: persist.StoredVersion) -> bool:
         """The file's table matches the model (a patch's bytes are checked when read)."""
@@ -413,19 +433,40 @@ class SnapshotStore:
         """An adapter version's base version; None for full weights (errors if not retained)."""
         return self.registry.get(check_version(version)).base
 
-    def adapter(self, version: int) -> StoredAdapter:
-        """An adapter version's config and tensors (CPU), read hash-checked once and kept."""
-        sv = self.registry.get(check_version(version))
+    @contextlib.contextmanager
+    def adapter(self, version: int, uses: int = 1) -> Iterator[StoredAdapter]:
+        """An adapter version's config and tensors on the serving device, pinned while the
+        block runs (``pin_adapter``; the tensors must not be kept after it)."""
+        got = self.pin_adapter(version, uses=uses)
+        try:
+            yield got
+        finally:
+            self.residency.unpin(got.version)
+
+    def pin_adapter(self, version: int, *, uses: int = 1) -> StoredAdapter:
+        """Pin an adapter version's LoRA tensors in device memory (``residency.unpin`` it
+        after use): read once from its file (hash-checked), then held in the host and device
+        tiers like a version's weights — their bytes counted in the budgets, evicted LRU when
+        unpinned, retired with the version. Its base is pinned apart (``pin``)."""
+        version = check_version(version)
+        self._check_open()
+        sv = self.registry.get(version)  # UnknownVersion / VersionEvicted
         if sv.kind != "adapter":
             raise InvalidRequest(
                 f"policy_version {version} is not an adapter version", parameter="policy_version"
             )
-        self._check_open()
         self.registry.touch(version)
         try:
-            return self._adapters.load(sv)
+            res = self.residency.pin(version, sv.nbytes, uses=uses)
         except persist.CorruptSnapshot as exc:
             raise self.quarantine(version, exc) from exc
+        except OldLogitError as exc:
+            raise error_from_payload(exc.to_payload()) from exc
+        try:
+            return self._adapters.stored(sv, MappingProxyType(res.tensors))
+        except BaseException:
+            self.residency.unpin(version)
+            raise
 
     def adopt(self, version: int, path: Path, expected_sha256: str) -> PublishOutcome:
         """Take in a version another replica published to the shared volume (scale-out)."""

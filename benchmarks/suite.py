@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import (
+    adapters,
     delta_trace,
     invariant,
     models,
@@ -40,6 +41,7 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "routing": routing,
     "invariant": invariant,  # also part of parity; its args and smoke come with parity's
     "tp": tensor_parallel,  # invariant's models, args and smoke; TP N vs 1 servers
+    "adapters": adapters,  # LoRA adapter versions: publish, mixed batches, 1,000 retained
 }
 # Suites that time a trainer-side path in this process (the patched forward against the plain
 # one, transformers' forward as a baseline): they run with the process's own C allocator.
@@ -52,7 +54,8 @@ DEFAULT = [
     "pipeline",
     "tls",
 ]  # the soak and the real-size models run for minutes, peer starts Ray, routing is for MoE
-# replay, tp for tensor parallelism: ask for them by name
+# replay, tp for tensor parallelism, adapters builds a Qwen2.5-0.5B-shaped model: ask for them
+# by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_args(p)
     routing.add_args(p)
     tensor_parallel.add_args(p)
+    adapters.add_args(p)
     shapes.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         peer.smoke(args)
         routing.smoke(args)
         tensor_parallel.smoke(args)
+        adapters.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
         args.versions_rounds = 1
     asked = list(dict.fromkeys(args.figures))

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from oldlogit.parity.numerics import hardware_name
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the example's sibling modules
 
 from rl_loop import SMOKE, VARIANTS, Config, run_variant
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": dataclasses.asdict(cfg),
         "seconds": time.perf_counter() - t0,
         "source_sha256": source_digest(),
+        # The bits, and so the trajectories, depend on the CPU's kernels (docs/exactness.md).
+        "machine": {"hardware": hardware_name("cpu"), "torch": torch.__version__},
         "runs": {v: summarize(recs, last) for v, recs in runs.items()},
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))

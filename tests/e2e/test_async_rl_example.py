@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +51,38 @@ def test_smoke_run_writes_metrics_and_plot(tmp_path: Path) -> None:
         assert (r["disc_k3"], r["stale_k3"]) == (r["true_disc_k3"], r["true_stale_k3"])
     # Partial rollouts with a lag: trained tokens are on average more than one version old.
     assert max(float(r["staleness_versions"]) for r in by_variant["exact"]) > 1.0  # type: ignore[arg-type]
+
+
+def _example_module(name: str) -> Any:
+    folder = REPO / "examples" / "async_rl"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(f"async_rl_{name}", folder / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(folder))
+
+
+def test_readme_figures_are_the_committed_runs_of_the_current_code() -> None:
+    """The README's table is rendered from the committed summaries, and those summaries were
+    computed by the example's current sources: a change to the example or the correction
+    toolkit without a new full run fails here (re-run both seeds, then rl_table.py --write)."""
+    table = _example_module("rl_table")
+    run = _example_module("run")
+    summaries = table.load_summaries()
+    assert sorted(summaries) == [0, 1]
+    for seed, summary in summaries.items():
+        assert summary["config"]["seed"] == seed
+        assert summary["config"]["steps"] == 120  # the full configuration
+        assert summary["source_sha256"] == run.source_digest(), (
+            f"results/summary_seed{seed}.json was computed by other sources: re-run "
+            f"`python examples/async_rl/run.py --seed {seed} --out DIR` and copy its summary"
+        )
+    readme = (REPO / "examples" / "async_rl" / "README.md").read_text()
+    assert table.readme_with(table.render(summaries), readme) == readme, (
+        "README.md's table is not the committed summaries' rendering: "
+        "python examples/async_rl/rl_table.py --write"
+    )

@@ -21,11 +21,10 @@ pytest.importorskip("triton")
 
 from oldlogit.parity import (
     local_spec,
-    tiles,
     token_logprobs,
     trainer_numerics,
 )
-from oldlogit.parity.kernels import CPU_KERNELS, forced_cuda, kernel_set
+from oldlogit.parity.kernels import CPU_KERNELS, cpu, forced_cuda, kernel_set
 from oldlogit.parity.kernels.cuda import (
     gemm_choice,
     log_softmax,
@@ -80,8 +79,8 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str
     def no_tiles(*_a: Any, **_k: Any) -> None:
         raise AssertionError("64-row tiles under the CUDA definition")
 
-    monkeypatch.setattr(tiles, "_tiles", no_tiles)
-    monkeypatch.setattr(tiles, "chunk_verified", no_tiles)
+    monkeypatch.setattr(cpu, "_tiles", no_tiles)
+    monkeypatch.setattr(cpu, "chunk_verified", no_tiles)
     with forced_cuda():
         yield calls
 

@@ -224,7 +224,7 @@ def test_gemm_choice_at_1_5b_shapes_is_row_invariant_and_repeatable(dtype):
 def test_a_patched_forward_on_cuda_runs_one_gemm_per_linear(dtype, monkeypatch):
     """No 64-row tiles on CUDA: each linear (2 layers of 7, and the head) is one GEMM call,
     cuBLASLt or Triton, whatever the batch; the norms are one Triton call each."""
-    from oldlogit.parity import tiles
+    from oldlogit.parity.kernels import cpu
     from oldlogit.parity.kernels.cuda import gemm_choice, rms_norm
 
     calls = {"gemm": 0, "norm": 0}
@@ -239,7 +239,7 @@ def test_a_patched_forward_on_cuda_runs_one_gemm_per_linear(dtype, monkeypatch):
     monkeypatch.setattr(gemm_choice, "torch_gemm", counting("gemm", gemm_choice.torch_gemm))
     monkeypatch.setattr(gemm_choice, "triton_gemm", counting("gemm", gemm_choice.triton_gemm))
     monkeypatch.setattr(rms_norm, "rms_norm", counting("norm", rms_norm.rms_norm))
-    monkeypatch.setattr(tiles, "_tiles", None)  # reached: a TypeError
+    monkeypatch.setattr(cpu, "_tiles", None)  # reached: a TypeError
     model = _model("qwen2", dtype, seed=4).cuda()
     ids = torch.randint(3, 200, (3, 150), device="cuda")
     with torch.no_grad(), trainer_numerics(model):

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from oldlogit.parity import token_logprobs, trainer_numerics
+from oldlogit.parity.kernels.cpu import GRAIN, blockwise
 from oldlogit.parity.numerics import RandomForward, UncoveredMatmul
-from oldlogit.parity.ops import POINTWISE_BLOCK, TileMode, blockwise, stable_topk
+from oldlogit.parity.ops import TileMode, stable_topk
 from tests.architectures import hf_model
 
 
@@ -60,13 +61,11 @@ def test_a_patched_router_resolves_ties_by_the_rule():
     ids=["sigmoid", "silu", "gelu_tanh", "tanh", "exp"],
 )
 def test_blockwise_pointwise_gives_an_element_the_same_bits_whatever_the_size(fn, dtype):
-    x = (torch.randn(3 * POINTWISE_BLOCK + 77, generator=torch.Generator().manual_seed(1)) * 3).to(
-        dtype
-    )
+    x = (torch.randn(3 * GRAIN + 77, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     full = blockwise(fn, x)
     # 2 blocks and 2 blocks + 128: one call where torch's threads get whole 64-groups.
-    sizes = (1, 5, 17, 63, 64, 65, 1000, POINTWISE_BLOCK + 3, 2 * POINTWISE_BLOCK + 128)
-    for n in (*sizes, 2 * POINTWISE_BLOCK, x.numel()):
+    sizes = (1, 5, 17, 63, 64, 65, 1000, GRAIN + 3, 2 * GRAIN + 128)
+    for n in (*sizes, 2 * GRAIN, x.numel()):
         assert torch.equal(blockwise(fn, x[:n].clone()), full[:n]), n
     assert torch.equal(blockwise(fn, x.view(-1, 1)[7:40]).view(-1), full[7:40])
 
@@ -96,7 +95,7 @@ def test_blockwise_backward_is_blockwise_too_and_one_split_not_a_slice_per_block
     # The gradient of an element must not depend on the tensor's size either, and autograd
     # must not build (and sum) one full-size gradient per block: a trainer's backward through
     # a [tokens, intermediate] activation would pay that once per block.
-    x = torch.randn(3 * POINTWISE_BLOCK + 77, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3 * GRAIN + 77, generator=torch.Generator().manual_seed(2))
     g = torch.randn_like(x)
 
     def grad(n):
@@ -105,7 +104,7 @@ def test_blockwise_backward_is_blockwise_too_and_one_split_not_a_slice_per_block
         return leaf.grad
 
     full = grad(x.numel())
-    for n in (5, 65, POINTWISE_BLOCK + 3, 2 * POINTWISE_BLOCK + 128):
+    for n in (5, 65, GRAIN + 3, 2 * GRAIN + 128):
         assert torch.equal(grad(n), full[:n]), n
     assert torch.allclose(full, torch.func.vjp(F.silu, x)[1](g)[0], atol=1e-6)
     leaf = x.clone().requires_grad_(True)
@@ -166,13 +165,13 @@ def test_random_draws_in_a_training_forward_are_refused():
 def test_one_call_pointwise_is_checked_then_used_with_several_threads():
     """With 2+ threads a large aligned tensor runs in one call (every thread a whole number of
     64-element groups) once that was checked against the blocks; the bits are the blocks'."""
-    from oldlogit.parity import pointwise
+    from oldlogit.parity.kernels import cpu
 
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: the blocks are one call each anyway")
-    x = torch.randn(8, POINTWISE_BLOCK // 2, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(8, GRAIN // 2, generator=torch.Generator().manual_seed(3))
     assert torch.equal(
-        blockwise(F.silu, x), pointwise._blocks(F.silu, x.reshape(-1), (), {}).view(x.shape)
+        blockwise(F.silu, x), cpu._blocks(F.silu, x.reshape(-1), (), {}).view(x.shape)
     )
-    used = min(torch.get_num_threads(), -(-x.numel() // pointwise._GRAIN))
-    assert pointwise._one_call[(F.silu, torch.float32, used, (), ())] is True
+    used = min(torch.get_num_threads(), -(-x.numel() // cpu.GRAIN))
+    assert cpu._one_call.get((F.silu, torch.float32, used, (), ())) is True

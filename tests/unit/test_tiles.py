@@ -1,4 +1,5 @@
-"""Fixed-shape tiles: a row's bits do not depend on the other rows (oldlogit.parity.tiles)."""
+"""Fixed-shape tiles: a row's bits do not depend on the other rows (oldlogit.parity.tiles;
+on CPU oldlogit.parity.kernels.cpu)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from oldlogit.parity import tiled_linear, tiled_mm
-from oldlogit.parity.tiles import tile_strategy
+from oldlogit.parity.kernels.cpu import tile_strategy
 
 # (K, N): a one-output projection (an MoE shared-expert gate), tiny, small, model-like
 SHAPES = [(32, 1), (8, 3), (64, 48), (256, 768), (512, 1536)]
@@ -162,17 +163,17 @@ def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
     was checked to reproduce its 64-row tiles; either way every row gets exactly the bits of
     the tile it falls in (computed here as the definition says: one 64-row call at a time, or
     for float32 one bmm over the tiles), whatever the row count."""
-    from oldlogit.parity import tiles
+    from oldlogit.parity.kernels import cpu as kernels_cpu
 
     gen = torch.Generator().manual_seed(k + n)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    x = torch.randn(tiles.CHUNK_ROWS * 2 + 77, k, generator=gen).to(dtype)
+    x = torch.randn(kernels_cpu.CHUNK_ROWS * 2 + 77, k, generator=gen).to(dtype)
 
     def reference(rows: torch.Tensor) -> torch.Tensor:
         padded = torch.zeros(-(-rows.shape[0] // 64) * 64, k, dtype=dtype)
         padded[: rows.shape[0]] = rows
-        if dtype == torch.float32:  # one bmm over the tiles, never a batch of one (tiles.py)
+        if dtype == torch.float32:  # one bmm over the tiles, never a batch of one (kernels/cpu.py)
             if padded.shape[0] == 64:
                 padded = torch.cat([padded, torch.zeros_like(padded)])
             a = padded.view(-1, 64, k)
@@ -185,19 +186,19 @@ def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
         ]
         return torch.cat(parts)[: rows.shape[0]]
 
-    for m in (1, 64, 100, 128, 448, tiles.CHUNK_ROWS, tiles.CHUNK_ROWS + 1, x.shape[0]):
+    for m in (1, 64, 100, 128, 448, kernels_cpu.CHUNK_ROWS, kernels_cpu.CHUNK_ROWS + 1, x.shape[0]):
         assert torch.equal(tiled_mm(x[:m], weight, 64, b), reference(x[:m])), m
     # The check says what this machine's kernels do (which shapes verify depends on the CPU's
     # kernels: a 896 -> 128 bf16 GEMM with a bias does on some Xeons and not on others): one
     # CHUNK_ROWS-row call gives its tiles' bits exactly when the check passed ...
-    rows = x[: tiles.CHUNK_ROWS]
+    rows = x[: kernels_cpu.CHUNK_ROWS]
     whole = torch.addmm(b, rows, weight.t()) if b is not None else rows @ weight.t()
     if dtype != torch.float32:  # float32 tiles are one bmm: the check compares against that
-        assert tiles.chunk_verified(weight, b, 64, tiles.CHUNK_ROWS) == torch.equal(
+        assert kernels_cpu.chunk_verified(weight, b, 64, kernels_cpu.CHUNK_ROWS) == torch.equal(
             whole, reference(rows)
         )
     # ... and where a check fails, the tiles run one by one with the same bits.
-    monkeypatch.setattr(tiles, "chunk_verified", lambda *a: False)
+    monkeypatch.setattr(kernels_cpu, "chunk_verified", lambda *a: False)
     assert torch.equal(tiled_mm(x, weight, 64, b), reference(x))
 
 
@@ -207,7 +208,7 @@ def test_float32_rows_alone_equal_rows_among_many_at_a_real_width(threads):
     one tile of many, and past a chunk, at one and two threads: a one-matrix bmm may be one
     GEMM spread over the threads (other bits on MKL with AVX-512), so the tiles never run as a
     batch of one."""
-    from oldlogit.parity import tiles
+    from oldlogit.parity.kernels import cpu as kernels_cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -215,7 +216,7 @@ def test_float32_rows_alone_equal_rows_among_many_at_a_real_width(threads):
         gen = torch.Generator().manual_seed(896)
         weight = torch.randn(128, 896, generator=gen) * 0.05
         bias = torch.randn(128, generator=gen)
-        x = torch.randn(tiles.CHUNK_ROWS + 100, 896, generator=gen)
+        x = torch.randn(kernels_cpu.CHUNK_ROWS + 100, 896, generator=gen)
         many = tiled_mm(x, weight, 64, bias)
         for m in (1, 7, 64, 65, 128, 200):
             assert torch.equal(tiled_mm(x[:m], weight, 64, bias), many[:m]), m

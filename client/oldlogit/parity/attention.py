@@ -57,7 +57,7 @@ from .kernels.cuda.varlen_attention import (
     unpack_rows,
     varlen_plan,
 )
-from .pointwise import seeded_randn
+from .kernels.probes import Probe, probe_randn
 
 __all__ = [
     "ATTENTION_NAME",
@@ -112,9 +112,8 @@ def thread_count_free(on: bool) -> Iterator[None]:
 
 
 # Kernel calls (shapes, dtype, the call's settings, thread count) → whether this thread count
-# gives a one-thread run's bits; measured once each on seeded random inputs of those shapes.
-_threads_agree: dict[tuple[Any, ...], bool] = {}
-_threads_lock = threading.Lock()
+# gives a one-thread run's bits; measured once each on random inputs of those shapes.
+_threads_agree = Probe()
 
 
 def _one_thread_bits(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) -> Tensor:
@@ -133,16 +132,15 @@ def _one_thread_bits(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) ->
         tuple(sorted(params.items())),
         threads,
     )
-    agree = _threads_agree.get(key)
-    if agree is None:
-        with _threads_lock, torch.no_grad():
-            gen = torch.Generator().manual_seed(len(_threads_agree) + 1)
-            probe = [seeded_randn(*t.shape, generator=gen).to(t.dtype) for t in (q, k, v)]
-            here = _segment_attention(*probe, **params)
-            with one_thread():
-                one = _segment_attention(*probe, **params)
-            agree = _threads_agree[key] = bool(torch.equal(here, one))
-    with nullcontext() if agree else one_thread():
+
+    def check() -> bool:
+        probe = probe_randn(tuple(q.shape), tuple(k.shape), tuple(v.shape), dtype=q.dtype)
+        here = _segment_attention(*probe, **params)
+        with one_thread():
+            one = _segment_attention(*probe, **params)
+        return bool(torch.equal(here, one))
+
+    with nullcontext() if _threads_agree(key, check) else one_thread():
         return _segment_attention(q, k, v, **params)
 
 
@@ -607,9 +605,12 @@ def _segment_attention(
 
 
 # (dtype, heads, kv heads, head dims, windowed, thread count) → whether SDPA's own grouped-query
-# indexing gives the bits of the expanded copies; measured once each on seeded random inputs.
-_gqa_agrees: dict[tuple[Any, ...], bool] = {}
-_gqa_lock = threading.Lock()
+# indexing gives the bits of the expanded copies; measured once each on random inputs.
+_gqa_agrees = Probe()
+# The check's inputs: 2 sequences of _GQA_PROBE_LENGTH tokens, a window of _GQA_PROBE_WINDOW
+# where the call has one (shorter than the sequences, so the window cuts).
+_GQA_PROBE_LENGTH = 77
+_GQA_PROBE_WINDOW = 20
 
 
 def _gqa_in_kernel(q: Tensor, k: Tensor, v: Tensor, windowed: bool) -> bool:
@@ -625,28 +626,21 @@ def _gqa_in_kernel(q: Tensor, k: Tensor, v: Tensor, windowed: bool) -> bool:
         return False
     threads = torch.get_num_threads()
     key = (q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], windowed, threads)
-    agree = _gqa_agrees.get(key)
-    if agree is None:
-        with _gqa_lock, torch.no_grad():
-            gen = torch.Generator().manual_seed(97)
-            length, rep = 77, q.shape[1] // k.shape[1]
-            shapes = [
-                (2, heads, length, dim)
-                for heads, dim in (
-                    (q.shape[1], q.shape[-1]),
-                    (k.shape[1], k.shape[-1]),
-                    (v.shape[1], v.shape[-1]),
-                )
-            ]
-            pq, pk, pv = (seeded_randn(*s, generator=gen).to(q.dtype) for s in shapes)
-            mask = _causal_mask(length, 20, q.device) if windowed else None
-            params = {"attn_mask": mask, "is_causal": mask is None, "scale": q.shape[-1] ** -0.5}
-            grouped = F.scaled_dot_product_attention(pq, pk, pv, enable_gqa=True, **params)
-            copies = F.scaled_dot_product_attention(
-                pq, pk.repeat_interleave(rep, dim=1), pv.repeat_interleave(rep, dim=1), **params
-            )
-            agree = _gqa_agrees[key] = bool(torch.equal(grouped, copies))
-    return agree
+
+    def check() -> bool:
+        length, rep = _GQA_PROBE_LENGTH, q.shape[1] // k.shape[1]
+        pq, pk, pv = probe_randn(
+            *((2, t.shape[1], length, t.shape[-1]) for t in (q, k, v)), dtype=q.dtype
+        )
+        mask = _causal_mask(length, _GQA_PROBE_WINDOW, q.device) if windowed else None
+        params = {"attn_mask": mask, "is_causal": mask is None, "scale": q.shape[-1] ** -0.5}
+        grouped = F.scaled_dot_product_attention(pq, pk, pv, enable_gqa=True, **params)
+        copies = F.scaled_dot_product_attention(
+            pq, pk.repeat_interleave(rep, dim=1), pv.repeat_interleave(rep, dim=1), **params
+        )
+        return bool(torch.equal(grouped, copies))
+
+    return _gqa_agrees(key, check)
 
 
 def _gpu_operand(t: Tensor) -> Tensor:

@@ -3,10 +3,11 @@
 In: every torch function call a patched model makes (a ``TorchFunctionMode``) — but those of
 the invariant attention's SDPA path, which calls nothing ruled and runs outside the mode
 (``attention.invariant_attention``). Out: the same call made batch-invariant, or refused:
-- ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``; on CUDA one GEMM over
-  all rows, kernels/cuda/gemm_choice.py), the head optionally in float32; under ``tp_chunks``
-  through the tensor-parallel definition (``tensor_parallel.linear``: DTensor weights over
-  their mesh, plain ones over the ranks of ``tensor_parallel.use``);
+- ``F.linear`` runs through fixed-shape tiles (``tiles.tiled_linear``: on CPU the tiles of
+  kernels/cpu.py, on CUDA one GEMM over all rows, kernels/cuda/gemm_choice.py), the head
+  optionally in float32; under ``tp_chunks`` through the tensor-parallel definition
+  (``tensor_parallel.linear``: DTensor weights over their mesh, plain ones over the ranks of
+  ``tensor_parallel.use``);
 - ``torch.topk`` follows one explicit rule (``stable_topk``), so MoE routing picks the same
   experts, in the same order, whatever the batch — or, under a replayed routing, the given
   experts (``routing.routed_topk``);
@@ -14,7 +15,7 @@ the invariant attention's SDPA path, which calls nothing ruled and runs outside 
   64-aligned blocks of at most one thread's grain: torch's CPU loops compute the elements of a
   vector body and of a scalar tail with different code, and which elements fall in a tail
   depends on the tensor's size — i.e. on the number of rows (measured: fp32 sigmoid/SiLU and
-  GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``pointwise.blockwise``;
+  GELU-tanh in bf16 change bits; tests/unit/test_parity_ops.py) — ``kernels.cpu.blockwise``;
 - a reduction over the last dimension of a GPU tensor (sum, mean, var, norm, logsumexp, …: an
   RMSNorm's mean) runs in fixed blocks of rows, or a sum/mean on CUDA as one row per program:
   CUDA picks a reduction's launch configuration from the number of rows —
@@ -41,18 +42,16 @@ from torch.overrides import TorchFunctionMode
 
 from . import attention, routing, tensor_parallel
 from .attention import InvariantNumericsError
-from .pointwise import POINTWISE_BLOCK, blockwise
+from .kernels import cpu
 from .rowwise import REDUCTIONS, last_dim_rows
 from .tiles import tiled_linear
 
 __all__ = [
-    "POINTWISE_BLOCK",
     "RULED_ANYWHERE",
     "ActiveDropout",
     "RandomForward",
     "TileMode",
     "UncoveredMatmul",
-    "blockwise",
     "stable_topk",
 ]
 
@@ -355,7 +354,7 @@ class TileMode(TorchFunctionMode):
             reduced = last_dim_rows(func, args, kwargs)
             return func(*args, **kwargs) if reduced is None else reduced
         if func in _POINTWISE and _cpu_float(args):
-            return blockwise(func, *args, **kwargs)
+            return cpu.blockwise(func, *args, **kwargs)
         if self.strict and func in _DROPOUTS:
             p = _dropout_on(func, args, kwargs)
             if p:

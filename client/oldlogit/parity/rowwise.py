@@ -17,7 +17,6 @@ left as it is. Used by ``ops.TileMode``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .kernels import for_device
-from .pointwise import seeded_randn
+from .kernels.probes import Probe, probe_randn
 
 __all__ = ["BLOCK_ROWS", "CHUNK_ROWS", "REDUCTIONS", "by_definition", "last_dim_rows"]
 
@@ -46,8 +45,7 @@ REDUCTIONS: dict[Callable[..., Any], int] = {
     if f is not None
 } | {torch.linalg.vector_norm: 2}
 
-_verified: dict[tuple[Any, ...], bool] = {}
-_lock = threading.Lock()
+_chunks = Probe()
 
 
 def _dim_of(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -162,17 +160,12 @@ def _chunk_verified(
     reduce: Callable[[Tensor], Tensor], like: Tensor, size: int, key: tuple[Any, ...]
 ) -> bool:
     """Whether one call over ``size`` rows gives each row its block's bits: checked once per
-    (call, device, dtype, row length, size) on seeded random rows (a kernel's reduction order
-    does not depend on the values; random rows make two orders disagree)."""
+    (call, device, dtype, row length, size) on random rows (kernels/probes.py)."""
     full = (*key, like.device, like.dtype, like.shape[1], size)
-    ok = _verified.get(full)
-    if ok is not None:
-        return ok
-    with _lock, torch.no_grad():
-        gen = torch.Generator().manual_seed(size * 131 + like.shape[1])
-        rows = seeded_randn(size, like.shape[1], generator=gen).to(like.device, like.dtype)
-        whole = reduce(rows)
+
+    def check() -> bool:
+        (rows,) = probe_randn((size, like.shape[1]), dtype=like.dtype, device=like.device)
         blocks = torch.cat([reduce(b) for b in torch.split(rows, BLOCK_ROWS)])
-        ok = bool(torch.equal(whole, blocks))
-        _verified[full] = ok
-    return ok
+        return bool(torch.equal(reduce(rows), blocks))
+
+    return _chunks(full, check)

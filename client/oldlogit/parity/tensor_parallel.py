@@ -19,15 +19,16 @@ option ``NumericsSpec.tp_chunks`` (C, default ``DEFAULT_TP_CHUNKS`` = 8; any deg
   (rank order = chunk order) and summing them locally in that tree — never a library
   all-reduce, whose order is unspecified.
 - **the head's log-softmax** over the vocabulary in C chunks of V/C: per chunk its max m_c and
-  Σ exp(x − m_c) (``ops.blockwise`` exp; one reduction per row, in sub-blocks beyond
-  ``SUM_BLOCK``), combined as M = max m_c, S = tree Σ s_c·exp(m_c − M), logprob = (x_t − M) −
-  log S. Raw logprobs (temperature only) combine the ranks' statistics; top-k/top-p first
-  gather the full rows, filter them as the single-device pipeline does
-  (``logprobs.processed_logprobs``), then take the same chunked log-softmax over what survives.
+  Σ exp(x − m_c) (``kernels.cpu.blockwise`` exp; one reduction per row, in sub-blocks beyond
+  ``kernels.cpu.GRAIN``), combined as M = max m_c, S = tree Σ s_c·exp(m_c − M),
+  logprob = (x_t − M) − log S. Raw logprobs (temperature only) combine the ranks' statistics;
+  top-k/top-p first gather the full rows, filter them as the single-device pipeline does
+  (``logprobs.processed_logprobs``), then take the same chunked log-softmax over what
+  survives.
 - **CPU threads**: ranks run with fewer threads than one process. Each GEMM shape's tile is
   checked once against a one-thread run (``_threads_verified``) and refused by name if a
   thread count changes its bits; pointwise ops run in blocks one thread computes
-  (``ops.blockwise``); reductions run one row per thread (below torch's parallel grain);
+  (``kernels.cpu.blockwise``); reductions run one row per thread (below torch's parallel grain);
   attention gives a one-thread run's bits (``attention.thread_count_free``: each call shape
   compared once, one that differs runs on one thread). So the
   definition's bits do not depend on the thread count, and ``NumericsSpec`` does not compare
@@ -54,12 +55,12 @@ from torch import Tensor, nn
 from oldlogit.contract.numerics import DEFAULT_TP_CHUNKS
 
 from .attention import InvariantNumericsError, one_thread
-from .pointwise import blockwise, seeded_randn
+from .kernels.cpu import GRAIN, blockwise
+from .kernels.probes import Probe, probe_randn
 from .tiles import tiled_linear, tiled_mm
 
 __all__ = [
     "DEFAULT_TP_CHUNKS",
-    "SUM_BLOCK",
     "ShardRules",
     "TensorParallel",
     "TensorParallelError",
@@ -85,10 +86,6 @@ __all__ = [
     "use",
     "whole_vocabulary",
 ]
-
-# Elements per row reduction of a vocabulary chunk: below torch's parallel grain (32768), so
-# one thread reduces a row whatever the thread count; longer chunks sum sub-blocks in a tree.
-SUM_BLOCK = 32768
 
 
 class TensorParallelError(InvariantNumericsError, ValueError):
@@ -417,13 +414,7 @@ def tree_sum(parts: Tensor, *, inplace: bool = False) -> Tensor:
     return parts[0]
 
 
-_verified: dict[tuple[Any, ...], bool] = {}
-_verify_lock = threading.Lock()
-
-
-def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return seeded_randn(*shape, generator=gen).to(device, dtype)
+_verified = Probe()
 
 
 def _threads_verified(
@@ -434,17 +425,17 @@ def _threads_verified(
     if device.type != "cpu" or threads == 1:
         return
     key = ("threads", n, k, dtype, tile_rows, bias, threads)
-    if key in _verified:
-        return
-    with _verify_lock, torch.no_grad():
-        x = _probe((tile_rows, k), dtype, device, k)
-        w = _probe((n, k), dtype, device, n + 1)
-        b = _probe((n,), dtype, device, 7) if bias else None
-        here = tiled_mm(x, w, tile_rows, b)
+
+    def check() -> bool:
+        x, w, *b = probe_randn(
+            (tile_rows, k), (n, k), *([(n,)] if bias else []), dtype=dtype, device=device
+        )
+        here = tiled_mm(x, w, tile_rows, *b)
         with one_thread():
-            one = tiled_mm(x, w, tile_rows, b)
-        _verified[key] = bool(torch.equal(here, one))
-    if not _verified[key]:
+            one = tiled_mm(x, w, tile_rows, *b)
+        return bool(torch.equal(here, one))
+
+    if not _verified(key, check):
         raise TensorParallelError(
             f"tp_chunks: on this CPU a {tile_rows}×{k}·{k}×{n} {dtype} GEMM gives other bits "
             f"at {threads} threads than at 1: run every rank and the trainer with the same "
@@ -457,17 +448,15 @@ def _columns_verified(
 ) -> bool:
     """Whether one tile GEMM over n output columns gives each column the bits of the GEMMs
     over ``blocks`` equal column blocks (the definition), on this process's kernels."""
-    key = ("columns", n, k, dtype, device.type, blocks, tile_rows, torch.get_num_threads())
-    ok = _verified.get(key)
-    if ok is None:
-        with _verify_lock, torch.no_grad():
-            x = _probe((tile_rows, k), dtype, device, k + 3)
-            w = _probe((n, k), dtype, device, n + 5)
-            whole = tiled_mm(x, w, tile_rows)
-            parts = [tiled_mm(x, wb, tile_rows) for wb in w.chunk(blocks)]
-            ok = bool(torch.equal(whole, torch.cat(parts, dim=1)))
-            _verified[key] = ok
-    return ok
+    key = ("columns", n, k, dtype, device, blocks, tile_rows, torch.get_num_threads())
+
+    def check() -> bool:
+        x, w = probe_randn((tile_rows, k), (n, k), dtype=dtype, device=device)
+        whole = tiled_mm(x, w, tile_rows)
+        parts = [tiled_mm(x, wb, tile_rows) for wb in w.chunk(blocks)]
+        return bool(torch.equal(whole, torch.cat(parts, dim=1)))
+
+    return _verified(key, check)
 
 
 def column_linear(
@@ -577,8 +566,8 @@ def chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
     """x [s, V'] float32 (V' = the vocabulary this rank holds, ``chunks`` equal chunks of it)
     → (max [chunks, s], Σ exp(x − max) [chunks, s]). The max is exact in any order; x − max
     is a fresh contiguous [s, chunks, V/C] whatever x's strides; exp runs in blocks
-    (``ops.blockwise``); each (row, chunk) sums its V/C values in one reduction of its own
-    (sub-blocks of ``SUM_BLOCK`` in a tree beyond that) — the same for any number of rows or
+    (``kernels.cpu.blockwise``); each (row, chunk) sums its V/C values in one reduction of its own
+    (sub-blocks of ``GRAIN`` elements in a tree beyond that) — the same for any number of rows or
     chunks beside it."""
     rows, vocab = int(x.shape[0]), int(x.shape[-1])
     if vocab % chunks:
@@ -589,10 +578,10 @@ def chunk_stats(x: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
     m = parts.amax(dim=-1)  # [s, C']
     shift = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # all −inf: 0
     e = blockwise(torch.exp, parts - shift[..., None])  # [s, C', V/C]
-    if e.shape[-1] <= SUM_BLOCK:
+    if e.shape[-1] <= GRAIN:
         total = e.sum(dim=-1)
     else:
-        blocks = torch.split(e, SUM_BLOCK, dim=-1)
+        blocks = torch.split(e, GRAIN, dim=-1)
         total = tree_sum(torch.stack([b.sum(dim=-1) for b in blocks]))
     return m.t(), total.t()
 

@@ -1,9 +1,10 @@
 """How each device computes the invariant forward: the kernels, apart from the definition.
 
-``for_device`` is the one switch: "cpu" (fixed row tiles, blockwise pointwise ops: tiles.py,
-pointwise.py) or "cuda" (``cuda/``: one GEMM over all rows, chosen by ``cuda/gemm_choice.py``;
-Triton row kernels). ``kernel_set`` names the choice in ``NumericsSpec.kernels``. Kernels
-import nothing from the rest of ``oldlogit.parity``; the definition imports them.
+``for_device`` is the one switch: "cpu" (``cpu.py``: fixed row tiles, blockwise pointwise ops)
+or "cuda" (``cuda/``: one GEMM over all rows, chosen by ``cuda/gemm_choice.py``; Triton row
+kernels). ``probes.py`` holds the once-per-key checks both rely on. ``kernel_set`` names the
+choice in ``NumericsSpec.kernels``. Kernels import nothing from the rest of ``oldlogit.parity``
+(a contract in pyproject.toml); the definition imports them.
 """
 
 from __future__ import annotations

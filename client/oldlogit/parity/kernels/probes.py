@@ -1,0 +1,71 @@
+"""Checks run once per key: does a faster call give the definition's bits on this process?
+
+In: a key (what decides the kernel: shapes, dtype, the call's settings, the thread count) and a
+check that compares the faster call with the definition on random inputs. Out: the check's
+answer, computed the first time the key is seen and kept for the process. A kernel's reduction
+order does not depend on the values, and random full-precision inputs make two different
+orders disagree, so one check per key stands for every call with that key.
+
+One seeding rule: a check's inputs are drawn in order from one CPU generator seeded by their
+shapes alone (``probe_randn``), outside any torch-function mode (the invariant numerics refuse
+random draws in a model's forward, ``ops.RandomForward``, and a check may run inside one).
+The CUDA GEMM choice seeds by its key instead (cuda/gemm_choice.py: on the device).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import Tensor
+
+__all__ = ["Probe", "probe_randn", "seed_of"]
+
+
+def seed_of(*shapes: tuple[int, ...]) -> int:
+    """The seed of a check whose inputs have these shapes: every dimension folded in order
+    (``seed · 131 + d``), so a [r, k] input is seeded ``r · 131 + k``."""
+    seed = 0
+    for shape in shapes:
+        for d in shape:
+            seed = (seed * 131 + d) % (2**63 - 1)
+    return seed
+
+
+def probe_randn(
+    *shapes: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    scale: float = 1.0,
+) -> list[Tensor]:
+    """Standard-normal inputs (times ``scale``) of ``shapes`` for a check, drawn in float32 on
+    the CPU from one generator seeded by ``seed_of(*shapes)``, then cast and moved."""
+    gen = torch.Generator().manual_seed(seed_of(*shapes))
+    with torch._C.DisableTorchFunction():
+        drawn = [torch.randn(*shape, generator=gen) for shape in shapes]
+        drawn = [t * scale for t in drawn] if scale != 1.0 else drawn
+    return [t.to(device, dtype) for t in drawn]
+
+
+class Probe:
+    """A check's answers by key, each computed once per process (under a lock, without
+    autograd) and kept. The lock is re-entrant: a check may rely on another key's answer."""
+
+    def __init__(self) -> None:
+        self._answers: dict[Hashable, bool] = {}
+        self._lock = threading.RLock()
+
+    def __call__(self, key: Hashable, check: Callable[[], bool]) -> bool:
+        """The answer for ``key``: ``check()`` the first time, the kept answer after."""
+        ok = self._answers.get(key)
+        if ok is None:
+            with self._lock, torch.no_grad():
+                ok = self._answers.get(key)
+                if ok is None:
+                    ok = self._answers[key] = bool(check())
+        return ok
+
+    def get(self, key: Hashable) -> bool | None:
+        """The kept answer for ``key``; None where it was never checked."""
+        return self._answers.get(key)

@@ -313,3 +313,58 @@ def test_peft_mixed_adapter_batch_is_refused_and_is_another_function() -> None:
         single = pm(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     assert not torch.equal(mixed[real], single[real])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_sixteen_adapters_on_scattered_rows_each_bitwise_its_own(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 adapters each on several scattered row ranges (and two on adjacent ones), beside the
+    base: the fast path (one lora_A and one lora_B call per adapter over its rows gathered,
+    the terms added in place) runs, and each sequence's rows are its adapter's PEFT forward."""
+    from oldlogit.parity import lora as lora_mod
+
+    arch = "qwen2"
+    model, weights = _base(arch, dtype)
+    variants = [
+        dict(r=r, lora_alpha=a, use_rslora=rs, target_modules=t)
+        for r, a, rs, t in [
+            (16, 32, False, "all-linear"),
+            (4, 7, True, ATTENTION),
+            (8, 16, False, "all-linear"),
+            (2, 5, False, ["down_proj", "up_proj"]),
+        ]
+    ] * 4
+    pm = peft.get_peft_model(model, peft.LoraConfig(lora_dropout=0.0, **variants[0]), "a0")
+    for i, v in enumerate(variants[1:], 1):
+        pm.add_adapter(f"a{i}", peft.LoraConfig(lora_dropout=0.0, **v))
+    _randomize(pm, seed=5)
+    found: dict[int, Adapter] = {}
+    for k in range(16):
+        pm.set_adapter(f"a{k}")
+        found[k] = adapter_from_peft(pm, adapter_name=f"a{k}")
+    gen = torch.Generator().manual_seed(13)
+    # Sequence i: adapter i % 16; 32 and 33 both adapter 3 (adjacent ranges, joined); 34: base.
+    which: list[int | None] = [i % 16 for i in range(32)] + [3, 3, None]
+    seqs = [torch.randint(1, 100, (int(n),), generator=gen) for n in torch.randint(3, 70, (35,))]
+    expected: list[Tensor] = []
+    for seq, k in zip(seqs, which, strict=True):
+        if k is None:
+            with pm.disable_adapter():
+                expected.extend(_trainer(pm, [seq], 1, "left"))
+        else:
+            pm.set_adapter(f"a{k}")
+            expected.extend(_trainer(pm, [seq], 1, "left"))
+    seen: list[int] = []  # ranges per adapter, over every call of the fast path
+    real = lora_mod._add_terms
+
+    def counted(flat: Tensor, flat_x: Tensor, plan: Any) -> None:
+        seen.extend(len(spans) for *_, spans in plan)
+        real(flat, flat_x, plan)
+
+    monkeypatch.setattr(lora_mod, "_add_terms", counted)
+    served = _service(arch, dtype, weights, seqs, [None if k is None else found[k] for k in which])
+    # Each adapter's scattered ranges in one call: 2 each, adapter 3's 3 (32 and 33 joined).
+    assert set(seen) == {2, 3}
+    for i, (mine, theirs) in enumerate(zip(expected, served, strict=True)):
+        assert torch.equal(mine, theirs), i

@@ -6,7 +6,8 @@ a model, a ``save_pretrained`` directory or a state dict with its config). Out: 
 definition — PEFT's unmerged single-adapter forward under the invariant numerics, per target
 linear ``(base(x) + lora_B(lora_A(x.to(A.dtype))) * scaling).to(base(x).dtype)``, never a
 merge — on rows of a packed batch (``serving_adapters``: the base GEMM once over all rows,
-each adapter's rows through its own ``F.linear`` calls, tiled by the numerics' mode). The
+each adapter's rows, its ranges gathered, through one lora_A and one lora_B ``F.linear`` call,
+tiled by the numerics' mode, its term added in place on its rows). The
 trainer side (PEFT's own ``Linear.forward``, vouched for) is ``lora_trainer``.
 """
 
@@ -351,7 +352,9 @@ def serving_adapters(
     """Within the block, each target linear of ``model`` gives rows [start, stop) of its
     flattened output (leading dims as one row axis) PEFT's single-adapter forward of that
     row's adapter (None: the base alone): the base runs once over all rows, then each
-    adapter's rows go through its own lora_A/lora_B ``F.linear``. Reads the tensors from the
+    adapter's rows (its ranges gathered) go through its own lora_A/lora_B ``F.linear`` — row
+    tiles under the invariant numerics, so a row's bits do not depend on the rows beside it —
+    and its term is added in place on its rows. Reads the tensors from the
     adapters (weights bound per call work); not thread-safe for one model."""
     spans = sorted((int(s), int(e), a) for s, e, a in rows)
     last = 0
@@ -394,31 +397,83 @@ def serving_adapters(
                 del module.__dict__["forward"]
 
 
+def _plan(groups: list[_Group]) -> list[tuple[Tensor, Tensor, float, list[tuple[int, int]]]]:
+    """The groups by adapter (its lora_A/lora_B tensors), in first-row order, each adapter's
+    row ranges sorted with touching ranges joined: one lora_A and one lora_B call per adapter
+    over all its rows (a tiled ``F.linear`` gives each row the bits it gets alone)."""
+    plan: dict[tuple[int, int, float], tuple[Tensor, Tensor, float, list[tuple[int, int]]]] = {}
+    for start, stop, a, b, scaling in groups:
+        entry = plan.setdefault((id(a), id(b), scaling), (a, b, scaling, []))
+        spans = entry[3]
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], stop)
+        else:
+            spans.append((start, stop))
+    return list(plan.values())
+
+
 def _adapted(call: Any, groups: list[_Group]) -> Any:
+    plan = _plan(groups)
+    last_row = max(stop for _, stop, _, _, _ in groups)
+
     def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         result: Tensor = call(x, *args, **kwargs)
         flat_x = x.reshape(-1, x.shape[-1])
         flat = result.reshape(-1, result.shape[-1])
         n = int(flat.shape[0])
-        pieces: list[Tensor] = []
-        at = 0
-        for start, stop, a, b, scaling in groups:
-            if stop > n:
-                raise ValueError(f"rows: [{start}, {stop}) beyond the forward's {n} rows")
-            if start > at:
-                pieces.append(flat[at:start])
-            if a.device != x.device:
-                a, b = a.to(x.device), b.to(x.device)
-            rows = flat_x[start:stop]
-            rows = rows if rows.dtype == a.dtype else rows.to(a.dtype)  # PEFT's input cast
-            # PEFT's order: result + lora_B(lora_A(x)) * scaling (promoting), then back.
-            pieces.append(
-                (flat[start:stop] + F.linear(F.linear(rows, a), b) * scaling).to(result.dtype)
-            )
-            at = stop
-        if at < n:
-            pieces.append(flat[at:])
-        return torch.cat(pieces).reshape(result.shape)
+        if last_row > n:
+            bad = next((s, e) for s, e, *_ in groups if e > n)
+            raise ValueError(f"rows: [{bad[0]}, {bad[1]}) beyond the forward's {n} rows")
+        if result.requires_grad or flat.data_ptr() != result.data_ptr():
+            return _joined(result, flat, flat_x, groups)
+        _add_terms(flat, flat_x, plan)
+        return result
 
     forward._oldlogit_lora = True  # type: ignore[attr-defined]
     return forward
+
+
+def _add_terms(
+    flat: Tensor, flat_x: Tensor, plan: list[tuple[Tensor, Tensor, float, list[tuple[int, int]]]]
+) -> None:
+    """Each adapter's term added in place on its rows of ``flat`` (the base output, [M, N]):
+    the bits of ``(flat[rows] + lora_B(lora_A(x[rows])) * scaling).to(flat.dtype)`` (PEFT's
+    order; an in-place add computes in the promoted dtype and casts once on the store, as the
+    out-of-place add and ``.to`` do). One lora_A and one lora_B ``F.linear`` per adapter over
+    its rows gathered (row tiles: a row's bits do not depend on the other rows)."""
+    for a, b, scaling, spans in plan:
+        if a.device != flat_x.device:
+            a, b = a.to(flat_x.device), b.to(flat_x.device)
+        if len(spans) == 1:
+            rows = flat_x[spans[0][0] : spans[0][1]]
+        else:
+            rows = torch.cat([flat_x[s:e] for s, e in spans])
+        rows = rows if rows.dtype == a.dtype else rows.to(a.dtype)  # PEFT's input cast
+        term = F.linear(F.linear(rows, a), b)
+        term.mul_(scaling)  # the bits of term * scaling
+        at = 0
+        for s, e in spans:
+            flat[s:e].add_(term[at : at + e - s])
+            at += e - s
+
+
+def _joined(result: Tensor, flat: Tensor, flat_x: Tensor, groups: list[_Group]) -> Tensor:
+    """The same values out of place (autograd records them; or an output that is no view)."""
+    n = int(flat.shape[0])
+    pieces: list[Tensor] = []
+    at = 0
+    for start, stop, a, b, scaling in groups:
+        if start > at:
+            pieces.append(flat[at:start])
+        if a.device != flat_x.device:
+            a, b = a.to(flat_x.device), b.to(flat_x.device)
+        rows = flat_x[start:stop]
+        rows = rows if rows.dtype == a.dtype else rows.to(a.dtype)  # PEFT's input cast
+        # PEFT's order: result + lora_B(lora_A(x)) * scaling (promoting), then back.
+        pieces.append(
+            (flat[start:stop] + F.linear(F.linear(rows, a), b) * scaling).to(result.dtype)
+        )
+        at = stop
+    if at < n:
+        pieces.append(flat[at:])
+    return torch.cat(pieces).reshape(result.shape)

@@ -483,11 +483,17 @@ class Engine:
     def _lora(
         self, rows: Sequence[tuple[int, int, LoraWeights | None]]
     ) -> AbstractContextManager[None]:
-        """``serving_adapters`` over the rows that have an adapter (nothing when none has)."""
+        """``serving_adapters`` over the rows that have an adapter (nothing when none has);
+        one ``Adapter`` per hash, so an adapter's ranges share its tensors (copied to the
+        device once) and run as one group."""
         if all(a is None for _, _, a in rows):
             return nullcontext()
+        made: dict[str, Adapter] = {}
+        for _, _, a in rows:
+            if a is not None and a.sha256 not in made:
+                made[a.sha256] = self._adapter(a)
         return serving_adapters(
-            self.model.module, [(s, e, self._adapter(a)) for s, e, a in rows if a is not None]
+            self.model.module, [(s, e, made[a.sha256]) for s, e, a in rows if a is not None]
         )
 
     def _adapter(self, lora: LoraWeights) -> Adapter:

@@ -32,3 +32,14 @@ def test_inputs_are_seeded_by_their_shapes_alone():
     assert torch.equal(a, torch.randn(3, 4, generator=gen).to(torch.bfloat16))
     (scaled,) = probe_randn((7,), scale=3.0)
     assert torch.equal(scaled, torch.randn(7, generator=torch.Generator().manual_seed(7)) * 3)
+
+
+def test_cancelling_operands_sum_to_exactly_zero_and_are_seeded_by_their_shapes():
+    from oldlogit.parity.kernels.probes import probe_cancelling
+
+    x, w = probe_cancelling(5, 3, 9, dtype=torch.bfloat16)
+    assert x.shape == (5, 9) and w.shape == (3, 9) and x.dtype == w.dtype == torch.bfloat16
+    assert torch.equal(x.double() @ w.double().t(), torch.zeros(5, 3, dtype=torch.float64))
+    assert int((w != 0).sum()) == 3 * 8  # an odd k leaves one column at 0
+    again, _ = probe_cancelling(5, 3, 9, dtype=torch.bfloat16)
+    assert torch.equal(x, again)

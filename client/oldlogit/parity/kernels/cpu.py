@@ -15,7 +15,8 @@ number (``tile_strategy``, a function of dtype and N only):
 The whole tiles of an input run as chunks of up to ``CHUNK_ROWS`` rows (a multiple of the
 tile) per GEMM where that gives each of its tiles the very bits of the tiles: checked once per
 process for each GEMM shape and chunk size (device, weight shape and strides, dtype, bias,
-thread count) on random rows against the real weight (``chunk_verified``), tiles otherwise.
+thread count) on random rows against the real weight and on operands whose products cancel
+(``chunk_verified``; random rows alone missed another order in a bf16 output), tiles otherwise.
 The chunk is only a faster way to compute the tiles' bits (a 64-row GEMM runs at a third of a
 512-row GEMM's speed in bf16 and a 64-row ``bmm`` below one ``mm`` in float32, measured at
 Qwen2.5-0.5B's shapes). A device that is neither CPU nor CUDA runs the same code (``loop``).
@@ -36,7 +37,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .probes import Probe, probe_randn
+from .probes import Probe, probe_cancelling, probe_randn
 
 __all__ = [
     "CHUNK_ROWS",
@@ -79,16 +80,30 @@ def chunk_verified(weight: Tensor, bias: Tensor | None, tile_rows: int, chunk_ro
         torch.get_num_threads(),
     )
 
-    def check() -> bool:
-        (rows,) = probe_randn(
-            (chunk_rows, weight.shape[1]), dtype=weight.dtype, device=weight.device
-        )
-        w = weight.detach()
-        b = None if bias is None else bias.detach()
-        whole = _gemm(rows, w.t(), b, rows.new_empty(chunk_rows, w.shape[0]))
-        tiles = rows.new_empty(chunk_rows, w.shape[0])
-        _tiles(rows, w.t(), b, tiles, tile_rows, tile_strategy(w.device, w.dtype, w.shape[0]))
+    w = weight.detach()
+    b = None if bias is None else bias.detach()
+    n_out, k = w.shape
+    strategy = tile_strategy(w.device, w.dtype, n_out)
+
+    def agree(rows: Tensor, w: Tensor, b: Tensor | None) -> bool:
+        whole = _gemm(rows, w.t(), b, rows.new_empty(chunk_rows, n_out))
+        tiles = rows.new_empty(chunk_rows, n_out)
+        _tiles(rows, w.t(), b, tiles, tile_rows, strategy)
         return bool(torch.equal(whole, tiles))
+
+    def check() -> bool:
+        (rows,) = probe_randn((chunk_rows, k), dtype=w.dtype, device=w.device)
+        if not agree(rows, w, b):
+            return False
+        # Random rows can miss another accumulation order where the output is bf16 (measured
+        # on an AMX Xeon, 896 -> 128 with a bias: a 256-row GEMM passed against one layer's
+        # weight, not another's; tests/unit/test_tiles.py): operands whose products cancel show
+        # it, in a weight of the real one's strides (the kernel is picked by shapes, not values).
+        x, pw = probe_cancelling(chunk_rows, n_out, k, dtype=w.dtype, device=w.device)
+        pb = None
+        if b is not None:
+            (pb,) = probe_randn(tuple(b.shape), dtype=b.dtype, device=b.device, scale=2.0**-16)
+        return agree(x, torch.empty_like(w).copy_(pw), pb)
 
     return _chunks(key, check)
 

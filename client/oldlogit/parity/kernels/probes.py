@@ -3,8 +3,10 @@
 In: a key (what decides the kernel: shapes, dtype, the call's settings, the thread count) and a
 check that compares the faster call with the definition on random inputs. Out: the check's
 answer, computed the first time the key is seen and kept for the process. A kernel's reduction
-order does not depend on the values, and random full-precision inputs make two different
-orders disagree, so one check per key stands for every call with that key.
+order does not depend on the values, so one check per key stands for every call with that
+key — given inputs on which two different orders disagree: random full-precision inputs, and
+for a GEMM with a low-precision output also operands whose products cancel
+(``probe_cancelling``: on random bf16 rows two orders can agree at every output).
 
 One seeding rule: a check's inputs are drawn in order from one CPU generator seeded by their
 shapes alone (``probe_randn``), outside any torch-function mode (the invariant numerics refuse
@@ -20,7 +22,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
-__all__ = ["Probe", "probe_randn", "seed_of"]
+__all__ = ["Probe", "probe_cancelling", "probe_randn", "seed_of"]
 
 
 def seed_of(*shapes: tuple[int, ...]) -> int:
@@ -46,6 +48,39 @@ def probe_randn(
         drawn = [torch.randn(*shape, generator=gen) for shape in shapes]
         drawn = [t * scale for t in drawn] if scale != 1.0 else drawn
     return [t.to(device, dtype) for t in drawn]
+
+
+def probe_cancelling(
+    rows: int,
+    n: int,
+    k: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, Tensor]:
+    """GEMM operands x [rows, k] and w [n, k] on which two accumulation orders disagree in
+    most outputs, even bfloat16 ones: the columns are paired at random (w equal, x opposite in a
+    pair), so every product meets its exact negative and x @ wᵀ is exactly 0, and the values
+    spread over 2^-4 … 2^4, so the partial sums round — what a kernel returns is the rounding
+    of its own order. Random rows are a weak check in a low precision: bf16 products are exact
+    in float32, most sums round alike and the output's rounding hides the rest, so two orders
+    can agree at every output (measured on an AMX Xeon: a 256-row and a 64-row bf16 GEMM at
+    896 → 128 agreed on random rows against one weight and not another;
+    tests/unit/test_tiles.py). Seeded by the shapes alone, like ``probe_randn``; an odd k
+    leaves one column at 0."""
+    half = k // 2
+    order, w_half, x_half, w_exp, x_exp = probe_randn(
+        (k,), (n, half), (rows, half), (half,), (rows, half)
+    )  # w's scale by column: a head's weight is large
+    with torch._C.DisableTorchFunction():
+        first, second = order.argsort()[:half], order.argsort()[half : 2 * half]
+        w = torch.zeros(n, k)
+        x = torch.zeros(rows, k)
+        w[:, first] = w_half * torch.exp2((w_exp * 2).round().clamp(-4, 4))
+        w[:, second] = w[:, first]
+        x[:, first] = x_half * torch.exp2((x_exp * 2).round().clamp(-4, 4))
+        x[:, second] = -x[:, first]
+    return x.to(device, dtype), w.to(device, dtype)
 
 
 class Probe:

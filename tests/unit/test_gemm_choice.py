@@ -80,9 +80,10 @@ def test_row_invariant_gemm_is_cublaslt_and_probed_once() -> None:
     assert probe(KEY, gemm, "cpu", SMALL) is None
     gemm = Recording()
     assert choose(KEY, gemm, "cpu", SMALL) == "cublaslt"
-    assert len(gemm.calls) == 1 + len(SMALL)  # one M_max call, then each rung alone
+    # one M_max call, then each rung alone; on random operands, then on cancelling ones
+    assert len(gemm.calls) == 2 * (1 + len(SMALL))
     assert choose(KEY, gemm, "cpu", SMALL) == "cublaslt"
-    assert len(gemm.calls) == 1 + len(SMALL)  # cached on the key
+    assert len(gemm.calls) == 2 * (1 + len(SMALL))  # cached on the key
     assert decided() == {"24x40 float32 +bias on Fake GPU sm_90": "cublaslt"}
 
 
@@ -93,6 +94,23 @@ def test_a_bucket_whose_rows_change_makes_it_triton() -> None:
     # Only the M_max call differing (every smaller rung agrees with each other) counts too.
     other = dataclasses.replace(KEY, n=25)
     assert choose(other, Recording(bad=range(64, 65)), "cpu", SMALL) == "triton"
+
+
+def test_rows_that_differ_only_where_sums_cancel_make_it_triton() -> None:
+    """A kernel whose other order shows only where partial sums cancel (random bf16 rows can
+    agree at every rounded output) is caught by the probe's cancelling operands."""
+
+    def only_where_sums_cancel(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        exact = x.double() @ weight.double().t()
+        out = (exact if bias is None else exact + bias.double()).to(x.dtype)
+        values = x.sort(dim=1).values  # a cancelling row holds each value and its negation
+        cancelling = torch.equal(values, (-values).flip(1))
+        if x.shape[0] in range(17, 32) and cancelling:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    assert probe(KEY, only_where_sums_cancel, "cpu", SMALL) == 17
+    assert choose(KEY, only_where_sums_cancel, "cpu", SMALL) == "triton"
 
 
 def test_the_probe_is_seeded_from_the_key_alone() -> None:

@@ -20,6 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..probes import probe_cancelling
+
 __all__ = [
     "LADDER",
     "M_MAX",
@@ -101,12 +103,19 @@ def probe(
     x = randn(rows, key.k)  # [M_max, K]
     weight = randn(key.k, key.n).t() if key.transposed else randn(key.n, key.k)  # [N, K]
     bias = randn(key.n) if key.bias else None
+    # Random rows alone are a weak check in bf16/fp16 (two accumulation orders can agree at
+    # every rounded output): operands whose products cancel exactly are run too
+    # (``probes.probe_cancelling``), with the same layout and bias.
+    x_cancel, w_cancel = probe_cancelling(rows, key.n, key.k, dtype=dtype, device=device)
+    if key.transposed:
+        w_cancel = w_cancel.t().contiguous().t()
     with torch.no_grad():
-        whole = gemm(x, weight, bias)  # [M_max, N]
-        for m in ladder:
-            alone = gemm(x[:m].clone(), weight, bias)  # a fresh, aligned input of m rows
-            if not torch.equal(alone, whole[:m]):
-                return m
+        for a, w in ((x, weight), (x_cancel, w_cancel)):
+            whole = gemm(a, w, bias)  # [M_max, N]
+            for m in ladder:
+                alone = gemm(a[:m].clone(), w, bias)  # a fresh, aligned input of m rows
+                if not torch.equal(alone, whole[:m]):
+                    return m
     return None
 
 

@@ -245,6 +245,10 @@ class Engine:
             weights = self._on_device(weights)
             groups = _group_by_sequence(jobs)
             if self.model.profile == "invariant":
+                # An adapter's sequences side by side (the order stable otherwise): its rows in
+                # the fewest forwards and ranges, one lora_A/lora_B call each (row bits do not
+                # depend on the packing).
+                groups.sort(key=lambda g: "" if g.adapter is None else g.adapter.sha256)
                 outs = self._run_packed(weights, jobs, groups)
             elif self.mode == "deterministic":
                 outs = self._run_deterministic(weights, jobs, groups)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from oldlogit import Client, Sequence
+from oldlogit.contract.numerics import NUMERICS_REVISION
 from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs_versions
 
@@ -186,7 +187,11 @@ def test_versions_info_leases_watermark(served: Served, transport: str) -> None:
         assert info.threads == torch.get_num_threads() and info.lm_head_fp32 is False
         spec = info.numerics_spec()
         assert (spec.profile, spec.dtype, spec.device_kind) == ("invariant", "bfloat16", "cpu")
-        assert (info.numerics_revision, info.torch_version) == (3, torch.__version__)
+        assert (info.numerics_revision, info.torch_version) == (
+            NUMERICS_REVISION,
+            torch.__version__,
+        )
+        assert info.numerics_revision == 4  # the CUDA definition (docs/exactness.md)
         assert served.server.runtime is not None
         assert served.server.runtime.numerics.startswith(spec.key)  # part of every cache key
         one = c.version(1)

@@ -79,6 +79,7 @@ class Step:
     parse: Callable[[Step, str, Path], Any]
     log: str = "steps.log"  # under OUT
     work: Path = field(default_factory=Path)  # a bench's --out; a test step's junit XML
+    by_name: bool = False  # runs only when --only names it
 
 
 def _now() -> str:
@@ -244,6 +245,14 @@ def _parse_bench(step: Step, out: str, _: Path) -> list[dict[str, Any]]:
     return figures
 
 
+def _parse_profile(step: Step, out: str, outdir: Path) -> dict[str, Any]:
+    """The profile's headline per part (wall, host, GPU-busy ms, launches, syncs); the whole
+    of it is OUT/gpu-profile.json."""
+    parts = json.loads((outdir / "gpu-profile.json").read_text())["parts"]
+    keep = ("wall_ms", "host_ms", "gpu_busy_ms", "launches", "syncs", "error", "skipped")
+    return {name: {k: v for k, v in got.items() if k in keep} for name, got in parts.items()}
+
+
 # Tests that run on CUDA when it is there without the `gpu` mark (on CPU they run under the
 # Triton interpreter): the CUDA definition's Triton kernels, compiled for the first time there.
 CUDA_AWARE = ("tests/unit/test_cuda_kernels.py",)
@@ -251,7 +260,11 @@ CUDA_AWARE = ("tests/unit/test_cuda_kernels.py",)
 
 def gpu_test_files() -> list[str]:
     """The test files that hold `gpu`-marked tests (collecting only these keeps the run short
-    and away from the suite's other optional imports)."""
+    and away from the suite's other optional imports); ``$GPU_TEST_FILES`` (space-separated)
+    picks some of them for a short second call."""
+    picked = os.environ.get("GPU_TEST_FILES", "").split()
+    if picked:
+        return picked
     files = []
     for path in sorted((REPO / "tests").rglob("test_*.py")):
         if re.search(r"mark\.gpu\b", path.read_text(errors="replace")):
@@ -298,6 +311,9 @@ def steps(args: argparse.Namespace, out: Path, work: Path) -> list[Step]:
             [] if rehearse else ["--dtype", "bfloat16", "--hidden", "896", "--layers", "12",
                                  "--vocab", "32768", "--seqs", "64", "--seq-len", "512"])),
         bench("throughput", 0, "throughput", "--device", device),
+        # By name only (ONLY="profile"): where the time goes (benchmarks/gpu_profile.py).
+        Step("profile", 150, [py, "-m", "benchmarks.gpu_profile", str(out), "--device", device,
+                              "--budget-s", "120", *smoke], _parse_profile, by_name=True),
     ]  # fmt: skip
 
 
@@ -362,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     write()
     tests_failed = False
     for step in steps(args, out, work):
-        if args.only and step.name not in args.only:
+        if (args.only or step.by_name) and step.name not in (args.only or ()):
             continue
         left = args.budget_s - (time.monotonic() - start)
         timeout = left - 5 if step.budget_s == 0 else min(step.budget_s, left - 5)

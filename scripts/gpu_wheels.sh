@@ -42,12 +42,13 @@ WHEELS=(
   prometheus-client==0.26.0     # >=0.20; the image's is of unknown version
   sniffio==1.3.1                # absent (httpcore's async path, pyproject's dependencies)
   pytest-asyncio==1.5.0         # absent (the suite's asyncio_mode = "auto")
+  py-spy==0.4.3                 # absent (the profile step samples the server with it)
 )
 
 mkdir -p "$DEST"
 pyver=${PY_VERSION//./}
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 \
   manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done

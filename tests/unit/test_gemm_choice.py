@@ -179,6 +179,49 @@ def test_pinned_settings_turn_reduced_precision_and_split_k_off_and_give_them_ba
         matmul.allow_bf16_reduced_precision_reduction = was
 
 
+def test_a_nested_pinned_block_reads_nothing_and_the_outer_one_gives_the_settings_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GEMM inside the forward's pinned block pays no settings reads; the block that set
+    the settings is the one that restores them, whatever was nested in it."""
+    matmul = torch.backends.cuda.matmul
+    reads = {"n": 0}
+    pins = gemm_choice._pins()
+
+    def counted() -> tuple:
+        out = []
+        for read, write, want in pins:
+
+            def counting(read=read):
+                reads["n"] += 1
+                return read()
+
+            out.append((counting, write, want))
+        return tuple(out)
+
+    monkeypatch.setattr(gemm_choice, "_pins", counted)
+    was = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = (True, True)
+    try:
+        with pinned_cublaslt():
+            outer = reads["n"]
+            assert outer == len(pins)
+            for _ in range(3):
+                with pinned_cublaslt():
+                    assert not matmul.allow_bf16_reduced_precision_reduction
+            assert reads["n"] == outer  # the nested blocks read nothing
+            assert not matmul.allow_bf16_reduced_precision_reduction_split_k
+        assert matmul.allow_bf16_reduced_precision_reduction
+        assert matmul.allow_bf16_reduced_precision_reduction_split_k
+        assert gemm_choice._pinned_depth == 0
+        with pytest.raises(RuntimeError), pinned_cublaslt():  # an error inside: still undone
+            raise RuntimeError("boom")
+        assert gemm_choice._pinned_depth == 0
+        assert matmul.allow_bf16_reduced_precision_reduction_split_k
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = was
+
+
 def test_the_choice_off_cuda_is_triton_and_the_spec_names_the_kernel_set() -> None:
     from oldlogit.parity.kernels import CPU_KERNELS, forced_cuda, kernel_set
 

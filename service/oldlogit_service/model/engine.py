@@ -82,6 +82,10 @@ EngineMode = Literal["deterministic", "fast"]
 # tiles a row's logits do not depend on which rows share the call, and the padded path makes
 # no bitwise promise.
 HEAD_LOGITS_BYTES = 256 * 1024**2
+# On a GPU, 1 GiB: each head call is a few launches of Python and kernels, and at Qwen2.5-1.5B's
+# shapes (vocab 151,936, bf16) 256 MiB is 832 rows — a 16 × 512 batch's head in 10 calls where
+# 3 do (gpu_profile's engine rows, docs/performance.md "On a GPU").
+HEAD_LOGITS_BYTES_GPU = 1024**3
 
 # On CPU a packed forward covers at most this many bytes of its widest activation ([tokens,
 # intermediate]), so that the pointwise steps between GEMMs (norms, rotary, SiLU × up) work in
@@ -196,9 +200,8 @@ class Engine:
                 max_batch_tokens,
                 cpu_forward_tokens(model.config, model.dtype, model.tile_rows or 0),
             )
-        self.head_rows = max(
-            1, HEAD_LOGITS_BYTES // (self.head_dtype.itemsize * max(1, model.vocab_size))
-        )
+        budget = HEAD_LOGITS_BYTES_GPU if model.device.type == "cuda" else HEAD_LOGITS_BYTES
+        self.head_rows = max(1, budget // (self.head_dtype.itemsize * max(1, model.vocab_size)))
         tile = model.tile_rows or 0
         if tile and self.head_rows > tile:
             # Whole tiles per head call: only the last call's last tile is padded.

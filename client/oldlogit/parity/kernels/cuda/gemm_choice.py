@@ -215,21 +215,36 @@ def _platform(index: int) -> tuple[str, str, str]:
     return name, blas_version(), triton_version()
 
 
+# Blocks of ``pinned_cublaslt`` open in this process (the settings are process-wide): inside
+# one, a nested block finds them pinned already and reads nothing (a GEMM's per-call cost).
+_pinned_depth = 0
+
+
 @contextmanager
 def pinned_cublaslt() -> Iterator[None]:
     """cuBLASLt preferred, split-K and reduced-precision reductions off (bf16 and fp16), TF32
-    off, for a block; what the process had before, afterwards. Cheap when already pinned (the
-    invariant forward pins them for its duration: settings.py); a backward runs outside the
-    forward, so each call pins them itself."""
+    off, for a block; what the process had before, afterwards. Free when nested in another
+    such block (the invariant forward pins them for its duration: settings.py); a backward
+    runs outside the forward, so each of its calls pins them itself."""
+    global _pinned_depth
+    if _pinned_depth:
+        _pinned_depth += 1
+        try:
+            yield
+        finally:
+            _pinned_depth -= 1
+        return
     changed: list[tuple[Callable[[Any], Any], Any]] = []
     for read, write, want in _pins():
         was = read()
         if was != want:
             write(want)
             changed.append((write, was))
+    _pinned_depth += 1
     try:
         yield
     finally:
+        _pinned_depth -= 1
         for write, was in reversed(changed):
             write(was)
 
@@ -290,12 +305,31 @@ def triton_gemm(
     return y if out is None else out.copy_(y)
 
 
+# (N, K, dtype, bias, transposed, device index) -> the choice ``choose`` made for the key those
+# name in this process (the rest of a key is fixed per device and process): a GEMM's lookup
+# without building its key.
+_by_shape: dict[tuple[int, int, torch.dtype, bool, bool, int | None], Choice] = {}
+
+
 def choice_for(weight: Tensor, bias: Tensor | None) -> Choice:
     """The choice for this linear: probed on its CUDA device; "triton" off CUDA (the test
     switch of ``kernels.forced_cuda``: there is no cuBLASLt on a CPU)."""
-    if weight.device.type != "cuda":
+    device = weight.device
+    if device.type != "cuda":
         return "triton"
-    return choose(key_for(weight, bias), torch_gemm, weight.device)
+    shape = (
+        weight.shape[0],
+        weight.shape[1],
+        weight.dtype,
+        bias is not None,
+        not weight.is_contiguous(),
+        device.index,
+    )
+    found = _by_shape.get(shape)
+    if found is None:
+        found = choose(key_for(weight, bias), torch_gemm, device)
+        _by_shape[shape] = found
+    return found
 
 
 def gemm(

@@ -10,6 +10,7 @@ torch is imported lazily so torch-free client tests stay torch-free. Never mutat
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable
@@ -23,6 +24,11 @@ import pytest
 # Checked without torch (a device node or nvidia-smi) so torch-free client tests stay torch-free.
 if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    # Its tl.dot summed in one order for every row, as on a GPU (tests/triton_interpreter.py).
+    from tests import triton_interpreter
+
+    triton_interpreter.install()
 
 _FOLDER_MARKERS = ("unit", "integration", "e2e")
 

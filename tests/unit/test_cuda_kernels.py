@@ -56,6 +56,12 @@ def assert_rows_invariant(fn: Callable[[Tensor], Tensor], x: Tensor) -> None:
             assert torch.equal(fn(x[:n]), full[:n]), f"first {n} rows"
     for i in (0, x.shape[0] - 1):
         assert torch.equal(fn(x[i : i + 1]), full[i : i + 1]), f"row {i} alone"
+    # Rows from other places of the batch, computed at the start of a call: a row's bits do not
+    # depend on where it sits in a tile (the interpreter's BLAS dot once did: tests/
+    # triton_interpreter.py).
+    for s in (1, 4, 6, 17, 33):
+        if s + 5 <= x.shape[0]:
+            assert torch.equal(fn(x[s : s + 5]), full[s : s + 5]), f"rows {s}..{s + 4}"
     others = _randn(17, *x.shape[1:], device=str(x.device), dtype=x.dtype, seed=99)
     others[5] = x[-1]
     assert torch.equal(fn(others)[5], full[-1]), "the last row among other rows"

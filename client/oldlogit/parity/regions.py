@@ -74,7 +74,21 @@ _PLAIN = (Tensor, nn.Parameter)
 
 
 def fingerprint(fn: Any) -> str:
-    """A hash of ``fn``'s source text (dedented); "" where the source cannot be read."""
+    """A hash of ``fn``'s source text (dedented); "" where the source cannot be read. Read once
+    per code object (``trainer_numerics`` is entered per step; reading source is slow)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return _fingerprint(fn)
+    found = _FINGERPRINTS.get(code)
+    if found is None:
+        found = _FINGERPRINTS[code] = _fingerprint(fn)
+    return found
+
+
+_FINGERPRINTS: dict[Any, str] = {}
+
+
+def _fingerprint(fn: Any) -> str:
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):

@@ -150,6 +150,65 @@ def test_gpu_test_files_and_the_device_call() -> None:
     assert "/.whl/" in (REPO / ".gitignore").read_text().splitlines()
 
 
+def test_the_profile_step_runs_by_name_only_and_gpu_test_files_can_be_picked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    args = argparse.Namespace(rehearse=True)
+    by_name = [s.name for s in gpu_checks.steps(args, tmp_path, tmp_path) if s.by_name]
+    assert by_name == ["profile"]
+    ran: list[str] = []
+
+    def fake(name: str, argv: list[str], timeout_s: float, log: Path, env: dict[str, str]):  # type: ignore[no-untyped-def]
+        ran.append(name)
+        if name == "profile":
+            (tmp_path / "out").mkdir(exist_ok=True)
+            parts = {"invariant 1x512": {"wall_ms": 10.0, "host_ms": 9.0, "top_python": []}}
+            (tmp_path / "out" / "gpu-profile.json").write_text(json.dumps({"parts": parts}))
+            return 0, ""
+        return 1, "not run"
+
+    monkeypatch.setattr(gpu_checks, "_run", fake)
+    gpu_checks.main([str(tmp_path / "out"), "--rehearse", "--budget-s", "100",
+                     "--work", str(tmp_path / "w"), "--only", "profile"])  # fmt: skip
+    assert ran == ["profile"]
+    report = json.loads((tmp_path / "out" / "gpu-checks.json").read_text())
+    step = report["steps"][0]
+    assert step["status"] == "ok"
+    assert step["result"] == {"invariant 1x512": {"wall_ms": 10.0, "host_ms": 9.0}}
+    ran.clear()
+    gpu_checks.main([str(tmp_path / "out2"), "--rehearse", "--budget-s", "100",
+                     "--work", str(tmp_path / "w2")])  # fmt: skip
+    assert "profile" not in ran and "machine" in ran  # not without its name
+    monkeypatch.setenv("GPU_TEST_FILES", "tests/unit/test_engine.py")
+    assert gpu_checks.gpu_test_files() == ["tests/unit/test_engine.py"]
+
+
+def test_py_spy_stacks_are_read_per_python_line_and_native_frame() -> None:
+    from benchmarks.gpu_profile import _collapsed_top
+
+    raw = "\n".join(
+        [
+            "thread (1): oldlogit-compute;run (a.py:10);call (b.py:835);"
+            "cudaMemcpy (libcudart.so) 30",
+            "thread (1): oldlogit-compute;run (a.py:10);gemm (c.py:5) 10",
+            "thread (2): MainThread;select (selectors.py:468);epoll_wait (libc.so.6) 60",
+        ]
+    )
+    rows = _collapsed_top(raw, 5)
+    functions = {r["function"]: r["share"] for r in rows if "function" in r}
+    assert functions == {"select (selectors.py)": 0.6, "call (b.py)": 0.3, "gemm (c.py)": 0.1}
+    lines = [r["line"] for r in rows if "line" in r]
+    assert lines[1] == "call (b.py:835) <- cudaMemcpy (libcudart.so)"
+    compute = {r["compute"]: r["share"] for r in rows if "compute" in r}
+    assert compute == {"call (b.py:835) <- cudaMemcpy (libcudart.so)": 0.75, "gemm (c.py:5)": 0.25}
+    assert rows[-1]["threads"] == {
+        "thread (2): MainThread": 0.6,
+        "thread (1): oldlogit-compute": 0.4,
+    }
+
+
 @pytest.mark.slow
 def test_rehearsal_end_to_end(tmp_path: Path) -> None:
     """The whole script on the CPU at tiny sizes, from PYTHONPATH (no installed package

@@ -146,6 +146,58 @@ def test_unpadded_rows_of_one_length_are_their_sequences_alone(dtype):
                 assert torch.equal(packed[i * length : (i + 1) * length], alone), (length, i)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sequences_of_one_length_share_a_call_only_where_that_keeps_their_bits(threads):
+    """Sequences of equal length packed (or padded) share one CPU attention call only where a
+    check showed each keeps the bits of its own call: at head dim 8 and 2 threads fp32 SDPA
+    split over batch × heads gave lengths 23 and 29 other bits (an AMD EPYC); such groups run
+    one call per sequence."""
+    model = _model("qwen2", torch.float32, seed=4, hidden_size=32)  # head dim 8
+    rng = np.random.default_rng(5)
+    seqs = [torch.from_numpy(rng.integers(0, VOCAB, n)) for n in (23, 29, 23, 29, 23, 7)]
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with trainer_numerics(model):
+            alone = [token_logprobs(model, s[None])[0] for s in seqs]
+            ids = torch.cat(seqs)[None]
+            pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+            packed = token_logprobs(model, ids, position_ids=pos)[0]
+            start = 0
+            for i, s in enumerate(seqs):
+                assert torch.equal(packed[start : start + len(s)], alone[i]), ("packed", i)
+                start += len(s)
+            same = torch.stack([seqs[0], seqs[2], seqs[4]])  # one length, no padding
+            batch = token_logprobs(model, same)
+            for row, i in zip(batch, (0, 2, 4), strict=True):
+                assert torch.equal(row, alone[i]), ("batch", i)
+    finally:
+        torch.set_num_threads(was)
+
+
+def test_a_group_whose_shared_call_differs_runs_one_call_per_sequence(monkeypatch):
+    calls: list[int] = []
+    real = attention_module._segment_attention
+
+    def counting(q, k, v, **params):  # type: ignore[no-untyped-def]
+        calls.append(q.shape[0])
+        return real(q, k, v, **params)
+
+    monkeypatch.setattr(attention_module, "_segment_attention", counting)
+    model = _model("qwen2", torch.float32, seed=4)
+    seqs = [torch.arange(1, 12), torch.arange(2, 13), torch.arange(3, 9)]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with trainer_numerics(model):
+        monkeypatch.setattr(attention_module, "_sharing_agrees", lambda *a: True)
+        token_logprobs(model, ids, position_ids=pos)
+        assert sorted(calls) == [1, 1, 2, 2]  # 2 layers: (the two of length 11) + (the other)
+        calls.clear()
+        monkeypatch.setattr(attention_module, "_sharing_agrees", lambda *a: False)
+        token_logprobs(model, ids, position_ids=pos)
+        assert calls == [1] * 6  # one call per sequence per layer
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_to_keep_scores_the_completion_with_the_same_bits(dtype):
     """TRL's layout: prompts left-padded, completions right-padded, logits for the last K."""

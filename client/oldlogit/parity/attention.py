@@ -31,7 +31,7 @@ import contextvars
 import functools
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -745,10 +745,16 @@ def _attention(
                 call = _varlen_call(route, params, op_support(query.device.index))
                 plan = segments.varlen(query.device)
                 return _varlen_attention(query, key, value, plan, call), None
-    # Sequences of one length share a kernel call where that is proven bitwise equal to calling
-    # each alone (CPU SDPA: tests/unit/test_parity_invariance.py); elsewhere one call each.
+    # Sequences of one length share a kernel call where that was checked to give each the bits
+    # of its own call (CPU SDPA; ``_sharing_agrees``); elsewhere one call each.
     share = query.device.type == "cpu" and params["softcap"] is None and p == 0.0
     attend = _one_thread_bits if getattr(_local, "thread_free", False) else _plain_call
+    if share:
+        dims = (heads, key.shape[1], head_dim, v_dim)
+        share = all(
+            n == 1 or _sharing_agrees(n, seg_len, dims, query.dtype, params, attend)
+            for n, seg_len, _ in segments.groups(True, query.device)
+        )
     sizes, shapes, index = segments.gather_plan(share, query.device)
     if index is None and shapes == [(batch, length)]:
         # Every batch row is one whole sequence and they share one call: that call's inputs
@@ -785,6 +791,55 @@ def _attention(
         rows = rows.new_zeros(batch * length, heads, v_dim).index_copy(0, index, rows)
     out = rows.view(batch, length, heads, v_dim)  # [B, T, H, Dv]
     return out, None
+
+
+# (sequences, length, heads, kv heads, head dims, dtype, the call's settings, thread count, the
+# one-thread rule) → whether one call over the sequences gives each the bits of its own call.
+_shared_calls = Probe()
+
+
+def _sharing_agrees(
+    n: int,
+    length: int,
+    dims: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    params: dict[str, Any],
+    attend: Callable[[Tensor, Tensor, Tensor, dict[str, Any]], Tensor],
+) -> bool:
+    """Whether ``n`` sequences of ``length`` tokens may share one attention call: checked once
+    per key on random inputs laid out as the forward lays them out (token-major rows viewed as
+    [n, heads, L, D]). CPU kernels split their work over batch × heads by the thread count, so
+    a sequence's bits in a shared call may differ from its own call's (measured: fp32 SDPA at
+    head dim 8, lengths 23 and 29, 2 threads, on an AMD EPYC; one thread agreed)."""
+    heads, kv_heads, head_dim, v_dim = dims
+    key = (
+        n,
+        length,
+        dims,
+        dtype,
+        tuple(sorted(params.items())),
+        torch.get_num_threads(),
+        attend is _one_thread_bits,
+    )
+
+    def check() -> bool:
+        rows = probe_randn(
+            (n * length, heads, head_dim),
+            (n * length, kv_heads, head_dim),
+            (n * length, kv_heads, v_dim),
+            dtype=dtype,
+        )
+        q, k, v = (r.view(n, length, *r.shape[1:]).transpose(1, 2) for r in rows)
+        with _attending():
+            together = attend(q, k, v, params)
+            return all(
+                torch.equal(
+                    together[i : i + 1], attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], params)
+                )
+                for i in range(n)
+            )
+
+    return _shared_calls(key, check)
 
 
 def layer_route(

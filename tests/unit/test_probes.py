@@ -43,3 +43,21 @@ def test_cancelling_operands_sum_to_exactly_zero_and_are_seeded_by_their_shapes(
     assert int((w != 0).sum()) == 3 * 8  # an odd k leaves one column at 0
     again, _ = probe_cancelling(5, 3, 9, dtype=torch.bfloat16)
     assert torch.equal(x, again)
+
+
+def test_attention_probes_nearly_cancel_and_are_seeded_by_their_shapes() -> None:
+    from oldlogit.parity.kernels.probes import probe_attention_cancelling
+
+    shapes = ((2, 4, 9, 8), (2, 2, 9, 8), (2, 2, 9, 16))
+    q, k, v = probe_attention_cancelling(*shapes, dtype=torch.float16)
+    assert (q.shape, k.shape, v.shape) == shapes and v.dtype == torch.float16
+    assert torch.equal(v[..., 1::2, :], -v[..., 0:8:2, :])  # pairs of opposite signs
+    assert bool((v[..., 8, :] != 0).all())  # an odd length keeps its last value
+    assert float(q.abs().max()) < 2.0**-6  # every key weighs almost alike
+    magnitudes = v.float().abs()
+    assert float(magnitudes.max() / magnitudes[magnitudes > 0].min()) > 2.0**6  # spread
+    again = probe_attention_cancelling(*shapes, dtype=torch.float16)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), again, strict=True))
+    # A causal row over an even number of keys that weigh alike sums to nearly nothing.
+    row = torch.softmax((q[0, 0] @ k[0, 0].t()).float()[3, :4], -1) @ v[0, 0, :4].float()
+    assert float(row.abs().max()) < 1e-2 * float(v[0, 0, :4].float().abs().max())

@@ -57,7 +57,7 @@ from .kernels.cuda.varlen_attention import (
     unpack_rows,
     varlen_plan,
 )
-from .kernels.probes import Probe, probe_randn
+from .kernels.probes import Probe, probe_attention_cancelling, probe_randn
 
 __all__ = [
     "ATTENTION_NAME",
@@ -134,11 +134,13 @@ def _one_thread_bits(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Any]) ->
     )
 
     def check() -> bool:
-        probe = probe_randn(tuple(q.shape), tuple(k.shape), tuple(v.shape), dtype=q.dtype)
-        here = _segment_attention(*probe, **params)
-        with one_thread():
-            one = _segment_attention(*probe, **params)
-        return bool(torch.equal(here, one))
+        for probe in _attention_probes(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype):
+            here = _segment_attention(*probe, **params)
+            with one_thread():
+                one = _segment_attention(*probe, **params)
+            if not torch.equal(here, one):
+                return False
+        return True
 
     with nullcontext() if _threads_agree(key, check) else one_thread():
         return _segment_attention(q, k, v, **params)
@@ -629,16 +631,17 @@ def _gqa_in_kernel(q: Tensor, k: Tensor, v: Tensor, windowed: bool) -> bool:
 
     def check() -> bool:
         length, rep = _GQA_PROBE_LENGTH, q.shape[1] // k.shape[1]
-        pq, pk, pv = probe_randn(
-            *((2, t.shape[1], length, t.shape[-1]) for t in (q, k, v)), dtype=q.dtype
-        )
         mask = _causal_mask(length, _GQA_PROBE_WINDOW, q.device) if windowed else None
         params = {"attn_mask": mask, "is_causal": mask is None, "scale": q.shape[-1] ** -0.5}
-        grouped = F.scaled_dot_product_attention(pq, pk, pv, enable_gqa=True, **params)
-        copies = F.scaled_dot_product_attention(
-            pq, pk.repeat_interleave(rep, dim=1), pv.repeat_interleave(rep, dim=1), **params
-        )
-        return bool(torch.equal(grouped, copies))
+        shapes = [(2, t.shape[1], length, t.shape[-1]) for t in (q, k, v)]
+        for pq, pk, pv in _attention_probes(shapes[0], shapes[1], shapes[2], q.dtype):
+            grouped = F.scaled_dot_product_attention(pq, pk, pv, enable_gqa=True, **params)
+            copies = F.scaled_dot_product_attention(
+                pq, pk.repeat_interleave(rep, dim=1), pv.repeat_interleave(rep, dim=1), **params
+            )
+            if not torch.equal(grouped, copies):
+                return False
+        return True
 
     return _gqa_agrees(key, check)
 
@@ -793,6 +796,19 @@ def _attention(
     return out, None
 
 
+def _attention_probes(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """A check's attention inputs: seeded random ones, and ones whose weighted sums nearly
+    cancel (``probe_attention_cancelling``: random values can round alike under two orders in
+    a bfloat16 output)."""
+    q, k, v = probe_randn(q_shape, k_shape, v_shape, dtype=dtype)
+    return [(q, k, v), probe_attention_cancelling(q_shape, k_shape, v_shape, dtype=dtype)]
+
+
 # (sequences, length, heads, kv heads, head dims, dtype, the call's settings, thread count, the
 # one-thread rule) → whether one call over the sequences gives each the bits of its own call.
 _shared_calls = Probe()
@@ -823,21 +839,22 @@ def _sharing_agrees(
     )
 
     def check() -> bool:
-        rows = probe_randn(
-            (n * length, heads, head_dim),
-            (n * length, kv_heads, head_dim),
-            (n * length, kv_heads, v_dim),
-            dtype=dtype,
-        )
-        q, k, v = (r.view(n, length, *r.shape[1:]).transpose(1, 2) for r in rows)
-        with _attending():
-            together = attend(q, k, v, params)
-            return all(
-                torch.equal(
-                    together[i : i + 1], attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], params)
-                )
-                for i in range(n)
-            )
+        shapes = [(n, h, length, d) for h, d in ((heads, head_dim), (kv_heads, head_dim),
+                                                 (kv_heads, v_dim))]  # fmt: skip
+        for probe in _attention_probes(shapes[0], shapes[1], shapes[2], dtype):
+            # As the forward lays them out: token-major rows [n * L, heads, D] viewed per call.
+            q, k, v = (
+                t.transpose(1, 2).reshape(n * length, *t.shape[1:2], t.shape[-1])
+                .view(n, length, t.shape[1], t.shape[-1]).transpose(1, 2)
+                for t in probe
+            )  # fmt: skip
+            with _attending():
+                together = attend(q, k, v, params)
+                for i in range(n):
+                    alone = attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], params)
+                    if not torch.equal(together[i : i + 1], alone):
+                        return False
+        return True
 
     return _shared_calls(key, check)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
-__all__ = ["Probe", "probe_cancelling", "probe_randn", "seed_of"]
+__all__ = ["Probe", "probe_attention_cancelling", "probe_cancelling", "probe_randn", "seed_of"]
 
 
 def seed_of(*shapes: tuple[int, ...]) -> int:
@@ -81,6 +81,31 @@ def probe_cancelling(
         x[:, first] = x_half * torch.exp2((x_exp * 2).round().clamp(-4, 4))
         x[:, second] = -x[:, first]
     return x.to(device, dtype), w.to(device, dtype)
+
+
+def probe_attention_cancelling(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention inputs [..., L, D] on which two accumulation orders disagree even in a
+    bfloat16 output: queries near 0 (every key weighs almost alike), values in pairs of
+    opposite signs along the sequence (position 2m + 1 is −(position 2m)) with magnitudes
+    spread over 2^-4 … 2^4, so each row's weighted sum nearly cancels and what a kernel returns
+    is mostly the rounding of its own order (random values round alike in most outputs, as
+    ``probe_cancelling`` says of GEMMs). Seeded by the shapes alone."""
+    q, k, v_half, v_exp = probe_randn(
+        q_shape, k_shape, (*v_shape[:-2], (v_shape[-2] + 1) // 2, v_shape[-1]),
+        (*v_shape[:-2], (v_shape[-2] + 1) // 2, v_shape[-1]),
+    )  # fmt: skip
+    with torch._C.DisableTorchFunction():
+        half = v_half * torch.exp2((v_exp * 2).round().clamp(-4, 4))
+        v = torch.stack([half, -half], dim=-2).flatten(-3, -2)[..., : v_shape[-2], :]
+        q = q * 2.0**-10
+    return q.to(device, dtype), k.to(device, dtype), v.contiguous().to(device, dtype)
 
 
 class Probe:

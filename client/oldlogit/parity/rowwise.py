@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .kernels import for_device
-from .kernels.probes import Probe, probe_randn
+from .kernels.probes import Probe, probe_cancelling, probe_randn
 
 __all__ = ["BLOCK_ROWS", "CHUNK_ROWS", "REDUCTIONS", "by_definition", "last_dim_rows"]
 
@@ -160,12 +160,20 @@ def _chunk_verified(
     reduce: Callable[[Tensor], Tensor], like: Tensor, size: int, key: tuple[Any, ...]
 ) -> bool:
     """Whether one call over ``size`` rows gives each row its block's bits: checked once per
-    (call, device, dtype, row length, size) on random rows (kernels/probes.py)."""
+    (call, device, dtype, row length, size) on random rows and on rows whose sums cancel
+    (``probe_cancelling``'s x: in a bfloat16 result random rows can round alike under two
+    orders; kernels/probes.py)."""
     full = (*key, like.device, like.dtype, like.shape[1], size)
 
     def check() -> bool:
         (rows,) = probe_randn((size, like.shape[1]), dtype=like.dtype, device=like.device)
-        blocks = torch.cat([reduce(b) for b in torch.split(rows, BLOCK_ROWS)])
-        return bool(torch.equal(reduce(rows), blocks))
+        cancelling, _ = probe_cancelling(
+            size, 1, like.shape[1], dtype=like.dtype, device=like.device
+        )
+        for probe in (rows, cancelling):
+            blocks = torch.cat([reduce(b) for b in torch.split(probe, BLOCK_ROWS)])
+            if not torch.equal(reduce(probe), blocks):
+                return False
+        return True
 
     return _chunks(full, check)

@@ -248,7 +248,6 @@ def test_http_keep_alive_requests_are_not_held_by_nagle(served: Served) -> None:
     socket turns Nagle's algorithm off, so a response's body (uvicorn sends it after the head)
     never waits for the client's delayed ACK (40 ms on Linux; every such request took 44 ms
     before). The same for a scoring call, whose answer takes one small forward."""
-    import statistics
     import time
 
     import httpx
@@ -263,7 +262,10 @@ def test_http_keep_alive_requests_are_not_held_by_nagle(served: Served) -> None:
                 start = time.perf_counter()
                 h.request(method, path, **kw).raise_for_status()
                 took.append(time.perf_counter() - start)
-            assert statistics.median(took) < 0.02, (path, [round(t * 1e3, 1) for t in took])
+            # Nagle's stall holds every response for the delayed ACK (≥ 40 ms each, by
+            # construction); a busy machine slows some requests, not all: the fastest of 15
+            # shows which it is without assuming how fast this machine is.
+            assert min(took) < 0.03, (path, [round(t * 1e3, 1) for t in took])
 
 
 def test_client_requests_import_nothing(served: Served, transport: str) -> None:

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck proto install trainer-venv peer-venv validate-deploy image base-images compose-test
+.PHONY: demo test test-slow lint typecheck proto install trainer-venv peer-venv validate-deploy image base-images compose-test
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The tests `make test` leaves out (marked `slow`: benchmark and example smokes, runs with
+# servers of their own that kill, restart or cut them off, the compose/image/TLS command
+# lines, larger budgets and further dtypes, profiles and rank counts of the matrices), on
+# their own. Same PYTEST_ARGS.
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 LINTED := $(wildcard client service tests benchmarks examples scripts)
 

@@ -96,3 +96,32 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]
     srv = start_cli(["--demo", "--http-port", "0", "--grpc-port", "0", "--snapshot-dir", str(snap)])
     yield srv
     srv.stop()
+
+
+@dataclass
+class DemoThread:
+    """``oldlogit serve --demo``'s server in this process (``http``/``grpc``: host:port, as
+    ``CliServer`` has them)."""
+
+    http: str
+    grpc: str
+
+
+@pytest.fixture(scope="module")
+def demo_in_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoThread]:
+    """The demo service (``serve`` with ``--demo``'s settings) on a thread of this process: for
+    tests of what a client or a browser sees of a demo server, not of the command that starts
+    it (tests/e2e/test_cli.py starts it as ``oldlogit serve --demo``). No interpreter to start
+    and import torch in: ~1 s where a ``demo_server`` takes ~8 on 2 cores."""
+    from oldlogit_service.config import Settings
+    from oldlogit_service.server import ServerThread
+
+    snap = tmp_path_factory.mktemp("demo-snapshots")
+    server = ServerThread(Settings(demo=True, http_port=0, grpc_port=0, snapshot_dir=snap))
+    server.start()
+    try:
+        yield DemoThread(
+            server.http_url.removeprefix("http://"), server.grpc_url.removeprefix("grpc://")
+        )
+    finally:
+        server.stop()

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.e2e
 VARIANTS = {"recompute", "behaviour", "exact", "ewma"}
 
 
+# `slow`: the four variants trained a few steps each, ~16 s on 2 cores. The default run checks
+# that the README's figures are the committed runs of the example's current sources (below).
+@pytest.mark.slow
 def test_smoke_run_writes_metrics_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "examples/async_rl/run.py", "--smoke", "--out", str(tmp_path)],

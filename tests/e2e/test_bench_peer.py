@@ -43,6 +43,7 @@ def _check_servers(detail: dict[str, Any], names: set[str]) -> None:
         assert r["max_abs_diff_vs_naive"] < 1e-3
 
 
+@pytest.mark.slow  # oldlogit and the naive server start and are measured: ~40 s on 2 cores
 def test_bench_peer_without_ray(tmp_path: Path) -> None:
     stdout, rows = _bench_peer(tmp_path, hide_ray=True)
     assert "ray[serve] is not installed: pip install 'oldlogit[peer]'" in stdout

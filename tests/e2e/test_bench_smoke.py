@@ -13,7 +13,9 @@ import pytest
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.e2e
+# `slow`: about 4 minutes of the default run on 2 cores (two bench processes side by side), the
+# longest test there; run it with `pytest -m slow tests/e2e/test_bench_smoke.py`.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 # The suites in two groups of about equal time, run side by side (most of a smoke run is

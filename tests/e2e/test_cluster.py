@@ -1,9 +1,17 @@
 """Scale-out with real processes: three replicas on 127.0.0.1, one registry redis-server, one
-cache redis-server, one shared snapshot directory (docs/operations.md, "Scale-out")."""
+cache redis-server, one shared snapshot directory (docs/operations.md, "Scale-out").
+
+``slow``: three ``oldlogit serve`` processes and two Redis servers start for the module (~20 s
+on 2 cores), two more clusters for the SIGKILL and outage tests (~25 and ~30 s). The default
+run has the Redis side in-process: registry, leases, membership, events and the shared result
+cache (tests/integration/test_redis_adapters.py), a server on a Redis registry advertising
+itself (tests/integration/test_advertise_host.py) and loads, publishes and Redis off the event
+loop (tests/integration/test_loop_lag.py)."""
 
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +33,7 @@ from tests.redis_server import RedisServer
 
 from .conftest import CliServer, start_clis
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
 
 TOKEN = "cluster-token"
 
@@ -91,8 +99,12 @@ def _start(tmp: Path, n: int = 3) -> Cluster:
 
 
 def _stop(c: Cluster) -> None:
+    # SIGTERM to every replica first, then wait for each: they drain side by side.
     for r in c.replicas:
-        r.stop()
+        if r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
+    for r in c.replicas:
+        r.proc.wait(timeout=30)
     c.registry.stop()
     c.cache.stop()
 
@@ -229,8 +241,6 @@ def test_sigkill_one_replica_under_load_zero_failures(tmp_path: Path) -> None:
         for t in threads:
             t.start()
         time.sleep(2.0)
-        import signal
-
         c3.replicas[1].stop(signal.SIGKILL)
         time.sleep(3.0)
         stop.set()

@@ -3,16 +3,19 @@ scripts/compose_test.py, runs the real stack where an engine is available).
 
 - Dockerfile: hadolint passes; multi-stage, non-root, the pinned torch; build-only inputs (CA
   bundle, local wheels) stay in the build stage; .dockerignore keeps the build context to what
-  is copied; ENTRYPOINT + CMD and the HEALTHCHECK run here; ``make image`` resolves the CPU and
-  the CUDA variant (the CUDA base cannot be pulled here: its command line is checked).
+  is copied; ENTRYPOINT + CMD and the HEALTHCHECK run here (``slow``); ``make image`` resolves
+  the CPU and the CUDA variant (the CUDA base cannot be pulled here: its command line is
+  checked).
 - docker-compose.yml: the compose-spec schema accepts it; the topology is the promised one
   (password-protected Redis, loopback-published replicas advertising their service names,
   read-only root file systems); every ``command``, ``entrypoint`` and ``healthcheck`` runs
   against local servers (real redis-server, real ``oldlogit serve``, the demo trainer and
-  rollout worker), with only ports, host names and paths rewritten.
+  rollout worker), with only ports, host names and paths rewritten (``slow``, as is the same
+  for the TLS override).
 - deploy/k8s: ``kubectl kustomize`` builds each overlay, ``kubernetes-validate`` accepts it for
-  the pinned Kubernetes version (deploy/k8s/KUBERNETES_VERSION), and the probes, grace period,
-  selectors, ConfigMap (valid ``Settings``), HPA and GPU resources are what they should be.
+  the pinned Kubernetes version (deploy/k8s/KUBERNETES_VERSION; ``slow``), and the probes,
+  grace period, selectors, ConfigMap (valid ``Settings``), HPA and GPU resources are what they
+  should be.
 """
 
 from __future__ import annotations
@@ -207,6 +210,10 @@ def test_dockerignore_keeps_exactly_what_the_image_copies() -> None:
         assert dockerignored(rel), rel
 
 
+# `slow` (an `oldlogit serve --demo` start from the image's environment: ~12 s on 2 cores). The
+# default run checks the Dockerfile statically (above), starts `oldlogit serve --demo`
+# (tests/e2e/test_cli.py) and reads settings from OLDLOGIT_* variables (tests/unit).
+@pytest.mark.slow
 def test_image_entrypoint_and_healthcheck_run(tmp_path: Path) -> None:
     ins = dockerfile()
     env = {}
@@ -388,6 +395,10 @@ def redis_pair(services: dict[str, Any], tmp: Path) -> Iterator[dict[str, RedisF
             r.stop()
 
 
+# `slow` (~40 s on 2 cores: the Redis pair, a replica, the trainer and rollout worker, a TP 2
+# replica). The default run checks the compose file statically (schema, topology) and runs
+# the image's entrypoint and healthcheck; `make compose-test` runs the stack in Docker.
+@pytest.mark.slow
 def test_every_compose_command_runs_against_local_servers(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -523,6 +534,7 @@ def merge_override(base: dict[str, Any], override: dict[str, Any]) -> dict[str, 
     return {**base, "services": services}
 
 
+@pytest.mark.slow  # a mutual-TLS replica, trainer and rollout worker: ~20 s on 2 cores
 def test_compose_tls_override(tmp_path: Path, tiny_model_dir: Path) -> None:
     """docker-compose.tls.yml: schema-valid, its TLS directory required, and, merged onto
     docker-compose.yml, the replica's command serves mutual TLS on both ports from the mounted
@@ -621,6 +633,9 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
     return doc
 
 
+# `slow` (~6 s on 2 cores): `make validate-deploy`, which CI runs, builds and validates every
+# overlay the same way; the default run builds each and checks what it says (below).
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_builds_and_validates(overlay: str, tmp_path: Path) -> None:
     validator = tool("kubernetes-validate")

@@ -1,5 +1,6 @@
 """The README's commands and code blocks, and docs/*.md's python blocks, still work against a
-live demo server."""
+live demo server (``serve`` with ``--demo``'s settings, on a thread of this process;
+tests/e2e/test_cli.py runs ``oldlogit serve --demo`` itself)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, CliServer
+from .conftest import REPO, DemoThread
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +26,7 @@ def _blocks(lang: str, text: str = README) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
-def _localize(text: str, srv: CliServer) -> str:
+def _localize(text: str, srv: DemoThread) -> str:
     port_http = srv.http.rsplit(":", 1)[1]
     port_grpc = srv.grpc.rsplit(":", 1)[1]
     return text.replace("localhost:8000", f"127.0.0.1:{port_http}").replace(
@@ -44,12 +45,12 @@ def test_quick_start_is_two_make_targets() -> None:
     assert "make test" in ci
 
 
-def test_curl_example(demo_server: CliServer) -> None:
+def test_curl_example(demo_in_process: DemoThread) -> None:
     curl_blocks = [b for b in _blocks("bash") if b.lstrip().startswith("curl")]
     assert curl_blocks
     for block in curl_blocks:
         out = subprocess.run(
-            ["bash", "-c", _localize(block, demo_server)],
+            ["bash", "-c", _localize(block, demo_in_process)],
             capture_output=True,
             text=True,
             timeout=60,
@@ -61,7 +62,7 @@ def test_curl_example(demo_server: CliServer) -> None:
         assert len(res["logprobs"]) == 4  # positions 2..5: only scored values travel
 
 
-def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
+def test_python_examples(demo_in_process: DemoThread, tmp_path: Path) -> None:
     blocks = _blocks("python", DOCS)
     assert len(blocks) >= 2
     # Trainer blocks use `model`: the demo architecture holding the demo's version 0 (a block
@@ -83,7 +84,7 @@ def test_python_examples(demo_server: CliServer, tmp_path: Path) -> None:
     )
     scripts = []
     for i, block in enumerate(blocks):
-        code = _localize(block, demo_server)
+        code = _localize(block, demo_in_process)
         words = re.findall(r"\b\w+\b", code)
         if "model" in words and "def " not in code:
             changed = "model.model.norm.weight.data += 0.5\n" if "publish(" in code else ""

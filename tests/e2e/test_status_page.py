@@ -1,5 +1,6 @@
 """The status page as an operator sees it: headless Chromium renders ``GET /`` of a running
-``oldlogit serve --demo``; while traffic flows, a lease is taken and a version is published,
+demo server (``serve`` with ``--demo``'s settings, on a thread of this process); while traffic
+flows, a lease is taken and a version is published,
 the page's charts and versions table follow without a reload, the console stays clean, no
 request leaves the machine, and a screenshot is saved under test-artifacts/.
 
@@ -27,7 +28,7 @@ import pytest
 
 from oldlogit import Client
 
-from .conftest import REPO, CliServer
+from .conftest import REPO, DemoThread
 
 pytestmark = pytest.mark.e2e
 
@@ -151,7 +152,7 @@ def _in_background(
 
 
 def test_status_page_renders_live_data_in_chromium(
-    demo_server: CliServer, tmp_path: Path, tiny_loaded_factory: Callable[..., Any]
+    demo_in_process: DemoThread, tmp_path: Path, tiny_loaded_factory: Callable[..., Any]
 ) -> None:
     if CHROMIUM is None:
         if os.environ.get("CI"):  # a green CI must not hide a missing install step
@@ -159,7 +160,7 @@ def test_status_page_renders_live_data_in_chromium(
         pytest.skip("needs Debian chromium (.ci/run installs it)")
     from oldlogit_service.demo.deployment import DEMO_MODEL_KWARGS
 
-    base = f"http://{demo_server.http}"
+    base = f"http://{demo_in_process.http}"
     info = httpx.get(f"{base}/v1/info").json()
     # Version 4 for the page to pick up live: the demo's base weights with one element moved.
     _, weights = tiny_loaded_factory(dtype=info["dtype"], **DEMO_MODEL_KWARGS)

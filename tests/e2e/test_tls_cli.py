@@ -1,6 +1,10 @@
 """`oldlogit serve` with TLS flags as a user runs it: mutual TLS on both ports, the plain probe
 port, `oldlogit publish` and `oldlogit parity` with --ca-file/--cert-file/--key-file, refusals
-in one line, a bad certificate file refused at start-up, and SIGHUP re-reading the files."""
+in one line, a bad certificate file refused at start-up, and SIGHUP re-reading the files.
+
+``slow``: a server and a dozen CLI runs, ~35 s on 2 cores. The default run serves mutual TLS
+on both transports in-process, rotation included (tests/integration/test_tls.py), and checks
+the client's TLS errors (tests/unit/test_tls_errors.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import pytest
 from ..tls_certs import CertAuthority
 from .conftest import REPO, start_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TOKEN = "tls-cli-token"
 

@@ -6,7 +6,7 @@ Per family of ``tests/architectures.py``: ``oldlogit serve`` (a real server) sta
 ``model.state_dict()`` — tied entries, fused experts and persistent buffers as transformers
 holds them — once full and twice as a delta, and every answer, over gRPC and HTTP, is bitwise
 the reference at that version, under the hash of the canonical weights; in both numerics
-profiles.
+profiles (``hf``: ``slow``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ from oldlogit_service.server import ServerThread
 from tests.architectures import ARCHS, VOCAB, hf_model, model_dir, persistent_state
 from tests.integration.conftest import WRITE_TOKEN
 
-PROFILES = [(arch, profile) for arch in ARCHS for profile in ("invariant", "hf")]
+# The `hf` profile's servers are `slow` (15 servers, ~14 s on 2 cores): the publish path does
+# not depend on the profile, and the default run holds every family's `hf` engine bitwise the
+# reference in-process (tests/unit/test_architectures.py).
+PROFILES = [
+    pytest.param(
+        (arch, profile), marks=[pytest.mark.slow] if profile == "hf" else [], id=f"{arch}-{profile}"
+    )
+    for arch in ARCHS
+    for profile in ("invariant", "hf")
+]
 
 
 @pytest.fixture
@@ -63,9 +72,7 @@ def _nudge(model: torch.nn.Module, seed: int, share: float) -> None:
             p.add_(mask * torch.randn(p.shape, generator=gen) * 0.01)
 
 
-@pytest.mark.parametrize(
-    "arch_server", PROFILES, ids=[f"{a}-{p}" for a, p in PROFILES], indirect=True
-)
+@pytest.mark.parametrize("arch_server", PROFILES, indirect=True)
 def test_trainer_publishes_its_own_state_dict_and_gets_reference_bits(arch_server):
     server, hub, arch = arch_server
     runtime = server.runtime

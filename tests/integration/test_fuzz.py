@@ -3,7 +3,9 @@
 HTTP: schemathesis generates positive and negative cases from the live OpenAPI (seeded,
 bounded). gRPC: our own fuzzer sends random bytes, truncated and bit-flipped valid messages,
 wrong-typed fields and huge fields to every method. Case counts are printed (`-s`) and
-collected in ``FUZZ_COUNTS`` for the resolving report.
+collected in ``FUZZ_COUNTS`` for the resolving report. The default run fuzzes with a smaller
+budget (``BUDGETS``, the same seeds; the gRPC fuzzer's cases are the first of the full
+budget's); the full budget, ~20 s on 2 cores, runs under the ``slow`` marker.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from .conftest import WRITE_TOKEN, Served, start_served
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES_PER_OPERATION = 20
-GRPC_CASES_PER_METHOD = 40
+# Hypothesis examples per HTTP operation, gRPC cases per method: the default run's, the full.
+BUDGETS = [(8, 16), pytest.param((20, 40), marks=pytest.mark.slow)]
 FUZZ_COUNTS: dict[str, int] = {}
 _CODES = {c for c in errors._BY_CODE}
 
@@ -49,8 +51,9 @@ def _check_http(resp: httpx.Response | object) -> None:
         assert body["error"]["code"] in _CODES, body
 
 
+@pytest.mark.parametrize("budget", BUDGETS, ids=["small", "full"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-def test_schemathesis_http(fuzzed: Served, mode: str) -> None:
+def test_schemathesis_http(fuzzed: Served, mode: str, budget: tuple[int, int]) -> None:
     import msgpack
     import schemathesis
     from schemathesis.generation import GenerationMode
@@ -67,7 +70,7 @@ def test_schemathesis_http(fuzzed: Served, mode: str) -> None:
         op = result.ok()
 
         @settings(
-            max_examples=EXAMPLES_PER_OPERATION,
+            max_examples=budget[0],
             derandomize=True,
             deadline=None,
             database=None,
@@ -87,7 +90,7 @@ def test_schemathesis_http(fuzzed: Served, mode: str) -> None:
             # No way to make an invalid request for this operation (e.g. GET /healthz takes
             # no input): nothing to fuzz in negative mode.
             assert mode == "negative"
-    FUZZ_COUNTS[f"http-{mode}"] = count
+    FUZZ_COUNTS[f"http-{mode}-{budget[0]}"] = count
     print(f"schemathesis {mode}: {count} cases, no 5xx")
     assert count >= 50
     # The server is still healthy afterwards.
@@ -199,13 +202,14 @@ def _check_grpc_error(exc: grpc.RpcError) -> None:
     assert payload["code"] in _CODES, payload
 
 
-def test_grpc_fuzzer(fuzzed: Served) -> None:
+@pytest.mark.parametrize("budget", BUDGETS, ids=["small", "full"])
+def test_grpc_fuzzer(fuzzed: Served, budget: tuple[int, int]) -> None:
     rng = random.Random(1234)
     target = fuzzed.server.grpc_url.removeprefix("grpc://")
     count = 0
     md = (("authorization", f"Bearer {WRITE_TOKEN}"),)
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30)]) as ch:
-        for _ in range(GRPC_CASES_PER_METHOD // 4):
+        for _ in range(budget[1] // 4):
             for method, valids in _valid_messages(rng).items():
                 call = ch.unary_unary(f"/oldlogit.v1.OldLogit/{method}")
                 payloads = list(valids)
@@ -253,6 +257,6 @@ def test_grpc_fuzzer(fuzzed: Served) -> None:
                 part(iter(chunks), timeout=30, metadata=md)
             except grpc.RpcError as exc:
                 _check_grpc_error(exc)
-    FUZZ_COUNTS["grpc"] = count
+    FUZZ_COUNTS[f"grpc-{budget[1]}"] = count
     print(f"grpc fuzzer: {count} cases, no INTERNAL/UNKNOWN, all coded")
     assert httpx.get(f"{fuzzed.server.http_url}/readyz").status_code == 200

@@ -54,6 +54,10 @@ def float_server(tmp_path: Path) -> Iterator[tuple[ServerThread, Path]]:
     server.stop()
 
 
+# `slow` (two FSDP2 ranks and a server: ~11 s on 2 cores). The default run plays the session
+# protocol's ranks in one process (tests/integration/test_sessions.py), and publishes from
+# DTensor shards on every rank of a real gloo group (tensor_parallel_numerics' TP 2 ranks).
+@pytest.mark.slow
 def test_two_ranks_publish_one_version(float_server, tmp_path):
     server, hub = float_server
     procs, outs = [], []

@@ -7,7 +7,8 @@ bitwise on every scored token with the same gradients, or refused by name — so
 release and a service on another give the same bits (liger-kernel is not installed there; its
 row is skipped). Skipped without ``.venv-verl``. MoE routing replay too: a trainer there
 replaying a routing record (``tests/integration/routing_worker.py``) gets the service's bits for
-each MoE family.
+each MoE family (``slow``). Every family's config fields and attention windows read the same on
+both releases, and transformers' own tensor parallelism is refused there too (``slow``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def test_every_row_holds_with_the_oldest_transformers(
             assert row["tokens"] > 900 and row["max_abs"] == 0.0
 
 
+# `slow` (~9 s on 2 cores): the default run replays routing records bitwise on this release
+# (tests/unit/test_routing_replay.py, tests/integration/test_routing_served.py).
+@pytest.mark.slow
 def test_routing_replay_holds_with_the_oldest_transformers(tmp_path: Path) -> None:
     """The engine here (transformers of this environment) and a trainer on 5.5.3 replay one
     routing record — partial, with −1 rows — to the same bits, for every MoE family."""
@@ -148,6 +152,7 @@ def test_routing_replay_holds_with_the_oldest_transformers(tmp_path: Path) -> No
             assert torch.equal(trainer[b, t_max - n + 1 :], served[arch][b]), (arch, b)
 
 
+@pytest.mark.slow  # two ranks on the oldest release: ~10 s on 2 cores (the newest: tp_worker)
 def test_transformers_own_tensor_parallelism_is_refused_on_the_oldest_transformers(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -194,36 +199,51 @@ def _on_oldest(tmp_path: Path, imports: str, expr: str) -> Any:
     return json.loads(out.read_text())
 
 
-def test_the_config_fields_like_compares_read_the_same_on_both_releases(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def read_on_oldest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What the two tests below compare, read in one .venv-verl process (one interpreter start
+    with torch and transformers, not one each): every family's ``config_fields`` and
+    ``attention_windows`` on the oldest release."""
+    return dict(
+        _on_oldest(
+            tmp_path_factory.mktemp("oldest-reads"),
+            "from oldlogit.contract.numerics import config_fields\n"
+            "from tests.architectures import ARCHS, attention_windows, config",
+            "{'config_fields': {a: dict(config_fields(config(a))) for a in ARCHS},"
+            " 'attention_windows': {a: attention_windows(a) for a in ARCHS}}",
+        )
+    )
+
+
+# `slow` (one .venv-verl process for both, ~13 s on 2 cores): the default run has ``like=``
+# accept the oldest release's reading of the default architecture in every parity row above.
+@pytest.mark.slow
+def test_the_config_fields_like_compares_read_the_same_on_both_releases(
+    read_on_oldest: dict[str, Any],
+) -> None:
     """``like=`` compares the config fields of ``CONFIG_FIELDS`` (``/v1/info``
     ``numerics_config``): a trainer on the oldest release must read every family's config as
     the service on the newest does, or it would be refused for nothing."""
     from oldlogit.contract.numerics import config_fields
     from tests.architectures import ARCHS, config
 
-    old = _on_oldest(
-        tmp_path,
-        "from oldlogit.contract.numerics import config_fields\n"
-        "from tests.architectures import ARCHS, config",
-        "{a: dict(config_fields(config(a))) for a in ARCHS}",
-    )
+    old = read_on_oldest["config_fields"]
     for arch in ARCHS:
         here = dict(config_fields(config(arch)))
         assert here and old[arch] == here, (arch, old[arch], here)
 
 
-def test_every_layers_sliding_window_is_the_same_on_both_releases(tmp_path: Path) -> None:
+@pytest.mark.slow  # with the test above
+def test_every_layers_sliding_window_is_the_same_on_both_releases(
+    read_on_oldest: dict[str, Any],
+) -> None:
     """``like=`` holds each layer's attention to the window the service's model computed with
     (``/v1/info`` ``attention_windows``): every family's layers must compute with the same
     windows on the oldest release as on the newest, or a trainer would be refused for nothing.
     The families' configs set windows narrower than the sequences, per layer where they can."""
     from tests.architectures import ARCHS, attention_windows
 
-    old = _on_oldest(
-        tmp_path,
-        "from tests.architectures import ARCHS, attention_windows",
-        "{a: attention_windows(a) for a in ARCHS}",
-    )
+    old = read_on_oldest["attention_windows"]
     windowed = 0
     for arch in ARCHS:
         here = attention_windows(arch)

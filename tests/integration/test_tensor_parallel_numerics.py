@@ -8,8 +8,8 @@ unsplit under ``trainer_numerics(tp_chunks=8)`` and the engine on whole weights.
 token is bitwise equal across all of them, raw and processed (temperature, top-k, top-p); the
 TP trainer's backward reaches every parameter; after a step, the TP trainer publishes from its
 DTensor shards and its π equals, bitwise, the answer for that version of a ``--tp-chunks 8``
-service on one device and (TP 2) of one at ``--tensor-parallel 2``; the one-device service
-over HTTP and gRPC equals the TP 1 trainer. TP 4 runs under the ``slow`` marker.
+service on one device and (TP 2, ``slow``) of one at ``--tensor-parallel 2``; the one-device
+service over HTTP and gRPC equals the TP 1 trainer. TP 4 runs under the ``slow`` marker.
 """
 
 from __future__ import annotations
@@ -155,6 +155,17 @@ def _check(ranks: list[dict[str, Any]], single: dict[str, torch.Tensor]) -> None
 
 
 def test_tp2_bitwise_with_tp1(
+    models: dict[str, Path], single: dict[str, torch.Tensor], tmp_path: Path, service: Served
+) -> None:
+    _check(_run_ranks(2, models, tmp_path, [service.server.http_url]), single)
+
+
+# `slow`: the ranks again, publishing to a `--tensor-parallel 2` service as well (its own three
+# processes, ~15 s to start on 2 cores). The default run holds that service bitwise a TP 1 one
+# through delta publishes (tests/integration/test_tensor_parallel_serving.py), and the ranks
+# bitwise a TP 1 `--tp-chunks 8` service (above).
+@pytest.mark.slow
+def test_tp2_bitwise_with_tp1_and_a_tp2_service(
     models: dict[str, Path],
     single: dict[str, torch.Tensor],
     tmp_path: Path,

@@ -3,7 +3,8 @@
 A TP 2 server and a TP 1 server (both ``--tp-chunks 8``, device budgets that hold about one
 version, so requests evict and reload) take the same delta publishes over both transports and
 answer every request with the same bits; a killed rank fails readiness and requests by name;
-bad setups and a rank that cannot join are refused by name at start-up.
+bad setups and a rank that cannot join are refused by name at start-up. The killed rank and
+the rank that cannot join (each its own TP 2 server) run under the ``slow`` marker.
 """
 
 from __future__ import annotations
@@ -272,6 +273,7 @@ def test_info_reports_the_ranks(pair: Pair) -> None:
     assert httpx.get(f"{pair.tp.http_url}/readyz", timeout=10).status_code == 200
 
 
+@pytest.mark.slow  # a TP 2 `oldlogit serve` of its own, one rank SIGKILLed: ~20 s on 2 cores
 def test_a_killed_rank_fails_readiness_and_requests_by_name(
     tmp_path: Path, model_dir: Path
 ) -> None:
@@ -319,6 +321,7 @@ def test_a_killed_rank_fails_readiness_and_requests_by_name(
     assert not any("Traceback" in line for line in srv.lines), "\n".join(srv.lines[-40:])
 
 
+@pytest.mark.slow  # a TP 2 `oldlogit serve` start that fails late: ~19 s on 2 cores
 def test_a_rank_that_cannot_join_is_refused_by_name(tmp_path: Path, model_dir: Path) -> None:
     snap = tmp_path / "snap"
     (snap / "ranks" / "tp2").mkdir(parents=True)

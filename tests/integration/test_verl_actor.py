@@ -4,20 +4,21 @@ A real verl 0.9.1 (``.venv-verl``, made by scripts/trainer_venv.sh: transformers
 oldest release the ``trainer`` extra accepts) runs in a subprocess (tests/integration/
 verl_worker.py): verl's actor ``TrainingWorker`` (FSDP2 ``FSDPEngineWithLMHead``, verl's
 ``ppo_loss``) on the weights the service publishes as version 2, patched with
-``oldlogit.integrations.verl.patch_verl_engine``. For a float32 and a bfloat16 service
-(verl's default mixed precision: float32 masters, bfloat16 forward), ``use_remove_padding`` on
-and off, temperature 1 and 0.7, verl's ``compute_log_prob`` at micro-batch sizes 1/2/3/6 and
-with dynamic batching equals ``compute_old_log_prob`` from the service on every response token,
-bitwise; verl's policy update, handed those values as ``old_log_probs``, sees a ratio of exactly
-1.0 on every token (and ``ppo_kl`` 0, ``pg_clipfrac`` 0); after its optimizer step π_θ has
-moved off the version. Also with two processes (FSDP2 sharding the model over a gloo group of
-2, each rank its share of the batch). verl's default activation checkpointing stays on (its
-recompute runs under the parity numerics; transformers 5.5.3 checkpoints in the layer's
-``__call__``). An engine built with ``use_fused_kernels=True`` is refused, naming the option
-and its fix. verl's LoRA actor (``lora_rank`` > 0) publishes its adapter over the version verl
-loaded (``VerlEnginePatch.publish_adapter``, before and after an update): compute_log_prob is
-the adapter version's π_old bitwise, the update's ratio exactly 1, the canary passes on the
-FSDP2 ``PeftModel`` (two ranks: slow). Skipped without ``.venv-verl``.
+``oldlogit.integrations.verl.patch_verl_engine``. For a float32 (``slow``) and a bfloat16
+service (verl's default mixed precision: float32 masters, bfloat16 forward),
+``use_remove_padding`` on and off, temperature 1 and 0.7, verl's ``compute_log_prob`` at
+micro-batch sizes 1/2/3/6 and with dynamic batching equals ``compute_old_log_prob`` from the
+service on every response token, bitwise; verl's policy update, handed those values as
+``old_log_probs``, sees a ratio of exactly 1.0 on every token (and ``ppo_kl`` 0,
+``pg_clipfrac`` 0); after its optimizer step π_θ has moved off the version. Also with two
+processes (FSDP2 sharding the model over a gloo group of 2, each rank its share of the batch;
+``slow``). verl's default activation checkpointing stays on (its recompute runs under the
+parity numerics; transformers 5.5.3 checkpoints in the layer's ``__call__``). An engine built
+with ``use_fused_kernels=True`` is refused, naming the option and its fix. verl's LoRA actor
+(``lora_rank`` > 0) publishes its adapter over the version verl loaded
+(``VerlEnginePatch.publish_adapter``, before and after an update): compute_log_prob is the
+adapter version's π_old bitwise, the update's ratio exactly 1, the canary passes on the FSDP2
+``PeftModel`` (``slow``, one and two ranks). Skipped without ``.venv-verl``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,16 @@ def run_workers(
 )
 @pytest.mark.parametrize(
     ("dtype", "world"),
-    [("float32", 1), ("bfloat16", 1), ("bfloat16", 2)],
+    [
+        # The default run keeps verl's default (float32 masters, a bfloat16 forward) on one
+        # rank: ~20 s on 2 cores. A float32 service (~20 s) and two FSDP2 ranks (~40 s) are
+        # `slow`; the default run has float32 trainers bitwise the service in-process
+        # (tests/integration/test_trainer_parity.py) and shards over 2 ranks with DDP and FSDP2
+        # (tests/integration/test_parity_distributed.py).
+        pytest.param("float32", 1, marks=pytest.mark.slow),
+        ("bfloat16", 1),
+        pytest.param("bfloat16", 2, marks=pytest.mark.slow),
+    ],
     ids=["float32", "bfloat16", "bfloat16-2ranks"],
 )
 def test_verl_actor_log_prob_is_the_service_pi_old(
@@ -113,9 +123,11 @@ def test_verl_actor_log_prob_is_the_service_pi_old(
     not VERL_PYTHON.exists(),
     reason="needs .venv-verl (verl 0.9.1 on transformers 5.5.3): run scripts/trainer_venv.sh",
 )
-@pytest.mark.parametrize(
-    "world", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
-)
+# `slow` (~20 s for one rank on 2 cores): the default run publishes adapters from a trainer's
+# PEFT model and sees a ratio of exactly 1 with TRL (tests/integration/test_trl_parity.py) and
+# holds PEFT's forward bitwise the served adapter (tests/integration/test_lora_parity.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2], ids=["1rank", "2ranks"])
 def test_verl_lora_actor_publishes_adapters_pi_theta_is_pi_old(
     world: int, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -1,12 +1,10 @@
 """Scale-out with real processes: three replicas on 127.0.0.1, one registry redis-server, one
 cache redis-server, one shared snapshot directory (docs/operations.md, "Scale-out").
 
-``slow``: three ``oldlogit serve`` processes and two Redis servers start for the module (~20 s
-on 2 cores), two more clusters for the SIGKILL and outage tests (~25 and ~30 s). The default
-run has the Redis side in-process: registry, leases, membership, events and the shared result
-cache (tests/integration/test_redis_adapters.py), a server on a Redis registry advertising
-itself (tests/integration/test_advertise_host.py) and loads, publishes and Redis off the event
-loop (tests/integration/test_loop_lag.py)."""
+The default run starts three ``oldlogit serve`` processes and two Redis servers once for the
+module (~20 s on 2 cores): a publish read bitwise on every replica, the shared result cache,
+leases and the watermark across replicas. ``slow``: the SIGKILL and registry-outage tests,
+each with a cluster of its own (~25 and ~30 s)."""
 
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ from tests.redis_server import RedisServer
 
 from .conftest import CliServer, start_clis
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 TOKEN = "cluster-token"
 
@@ -209,6 +207,7 @@ def test_leases_expire_across_replicas_and_watermark_applies_on_all(cluster: Clu
                 c.logprobs([1, 2, 3], policy_version=1)
 
 
+@pytest.mark.slow
 def test_sigkill_one_replica_under_load_zero_failures(tmp_path: Path) -> None:
     c3 = _start(tmp_path, 3)
     try:
@@ -253,6 +252,7 @@ def test_sigkill_one_replica_under_load_zero_failures(tmp_path: Path) -> None:
         _stop(c3)
 
 
+@pytest.mark.slow
 def test_registry_outage_reads_continue_publish_refused_then_reconverge(tmp_path: Path) -> None:
     c2 = _start(tmp_path, 2)
     try:

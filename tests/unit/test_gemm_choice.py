@@ -266,3 +266,39 @@ def test_the_spec_compares_and_carries_the_kernel_set() -> None:
     back = from_proto(info_to_proto(info), Info)
     assert back.kernels == cuda and back.gemm_choices == choices
     assert back.numerics_spec().kernels == cuda
+
+
+def test_the_settings_stay_pinned_until_the_last_open_block_closes_in_any_thread() -> None:
+    """A forward's block and a backward's block in another thread overlap: the first to close
+    does not unpin the settings under the other; the last one gives them back."""
+    import threading
+
+    matmul = torch.backends.cuda.matmul
+    was = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = (True, True)
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def other() -> None:
+        with pinned_cublaslt():
+            entered.set()
+            release.wait(10)
+            seen.append(bool(matmul.allow_bf16_reduced_precision_reduction_split_k))
+        done.set()
+
+    try:
+        outer = pinned_cublaslt()
+        outer.__enter__()
+        t = threading.Thread(target=other)
+        t.start()
+        assert entered.wait(10)
+        outer.__exit__(None, None, None)  # the first block closes while the other is open
+        assert not matmul.allow_bf16_reduced_precision_reduction_split_k  # still pinned
+        release.set()
+        assert done.wait(10)
+        t.join(10)
+        assert seen == [False]
+        assert matmul.allow_bf16_reduced_precision_reduction_split_k  # given back at the end
+        assert gemm_choice._pinned_depth == 0
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = was

@@ -842,12 +842,9 @@ def _sharing_agrees(
         shapes = [(n, h, length, d) for h, d in ((heads, head_dim), (kv_heads, head_dim),
                                                  (kv_heads, v_dim))]  # fmt: skip
         for probe in _attention_probes(shapes[0], shapes[1], shapes[2], dtype):
-            # As the forward lays them out: token-major rows [n * L, heads, D] viewed per call.
-            q, k, v = (
-                t.transpose(1, 2).reshape(n * length, *t.shape[1:2], t.shape[-1])
-                .view(n, length, t.shape[1], t.shape[-1]).transpose(1, 2)
-                for t in probe
-            )  # fmt: skip
+            # As the forward lays them out: token-major rows [n, L, heads, D] seen as
+            # [n, heads, L, D].
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in probe)
             with _attending():
                 together = attend(q, k, v, params)
                 for i in range(n):

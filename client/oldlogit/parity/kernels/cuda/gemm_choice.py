@@ -217,36 +217,38 @@ def _platform(index: int) -> tuple[str, str, str]:
 
 # Blocks of ``pinned_cublaslt`` open in this process (the settings are process-wide): inside
 # one, a nested block finds them pinned already and reads nothing (a GEMM's per-call cost).
+# Counted under a lock: a forward's thread and autograd's backward threads open blocks at once;
+# the settings the first block changed are given back when the last one closes.
 _pinned_depth = 0
+_pinned_saved: list[tuple[Callable[[Any], Any], Any]] = []
+_pinned_lock = threading.Lock()
 
 
 @contextmanager
 def pinned_cublaslt() -> Iterator[None]:
     """cuBLASLt preferred, split-K and reduced-precision reductions off (bf16 and fp16), TF32
-    off, for a block; what the process had before, afterwards. Free when nested in another
-    such block (the invariant forward pins them for its duration: settings.py); a backward
-    runs outside the forward, so each of its calls pins them itself."""
+    off, for a block; what the process had before, once the last open block closes. Free when
+    nested in another such block, in any thread (the invariant forward pins them for its
+    duration: settings.py); a backward runs outside the forward, so each of its calls pins
+    them itself."""
     global _pinned_depth
-    if _pinned_depth:
+    with _pinned_lock:
+        if not _pinned_depth:
+            for read, write, want in _pins():
+                was = read()
+                if was != want:
+                    write(want)
+                    _pinned_saved.append((write, was))
         _pinned_depth += 1
-        try:
-            yield
-        finally:
-            _pinned_depth -= 1
-        return
-    changed: list[tuple[Callable[[Any], Any], Any]] = []
-    for read, write, want in _pins():
-        was = read()
-        if was != want:
-            write(want)
-            changed.append((write, was))
-    _pinned_depth += 1
     try:
         yield
     finally:
-        _pinned_depth -= 1
-        for write, was in reversed(changed):
-            write(was)
+        with _pinned_lock:
+            _pinned_depth -= 1
+            if not _pinned_depth:
+                for write, was in reversed(_pinned_saved):
+                    write(was)
+                _pinned_saved.clear()
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from oldlogit.parity.kernels.cuda import (
     rms_norm,
     row_cumsum,
 )
+from tests.packed import packed_logprobs
 
 VOCAB = 64
 
@@ -109,13 +110,8 @@ def _batches(model: nn.Module, seqs: list[torch.Tensor], sizes: tuple[int, ...])
                 for i, s in enumerate(group):
                     row = out[i, : len(s)] if side == "right" else out[i, out.shape[1] - len(s) :]
                     assert torch.equal(row, alone[first + i]), (size, side, first + i)
-    ids = torch.cat(seqs)[None]
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    packed = token_logprobs(model, ids, position_ids=pos)[0]
-    start = 0
-    for i, s in enumerate(seqs):
-        assert torch.equal(packed[start : start + len(s)], alone[i]), ("packed", i)
-        start += len(s)
+    for i, got in enumerate(packed_logprobs(model, seqs)):
+        assert torch.equal(got, alone[i]), ("packed", i)
 
 
 def test_one_gemm_per_linear_and_rows_independent_of_the_batch(

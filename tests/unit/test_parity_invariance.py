@@ -40,6 +40,7 @@ from oldlogit.parity.attention import (
 )
 from oldlogit.parity.ops import TileMode
 from oldlogit.parity.tiles import tiled_linear
+from tests.packed import packed_logprobs
 
 VOCAB = 300
 
@@ -160,13 +161,8 @@ def test_sequences_of_one_length_share_a_call_only_where_that_keeps_their_bits(t
     try:
         with trainer_numerics(model):
             alone = [token_logprobs(model, s[None])[0] for s in seqs]
-            ids = torch.cat(seqs)[None]
-            pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-            packed = token_logprobs(model, ids, position_ids=pos)[0]
-            start = 0
-            for i, s in enumerate(seqs):
-                assert torch.equal(packed[start : start + len(s)], alone[i]), ("packed", i)
-                start += len(s)
+            for i, got in enumerate(packed_logprobs(model, seqs)):
+                assert torch.equal(got, alone[i]), ("packed", i)
             same = torch.stack([seqs[0], seqs[2], seqs[4]])  # one length, no padding
             batch = token_logprobs(model, same)
             for row, i in zip(batch, (0, 2, 4), strict=True):

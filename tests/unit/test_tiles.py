@@ -164,19 +164,22 @@ def test_weight_gradient_is_one_gemm_without_per_tile_copies(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
-    ("k", "n", "bias"), [(512, 1536, False), (896, 128, True), (64, 8192, False)]
+    ("k", "n", "bias"),
+    [(512, 1536, False), (896, 128, True), (64, 8192, False), (256, 16, False), (16, 768, False)],
 )
 def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
-    """The whole tiles of an input run up to CHUNK_ROWS rows per GEMM only where one such call
-    was checked to reproduce its 64-row tiles; either way every row gets exactly the bits of
-    the tile it falls in (computed here as the definition says: one 64-row call at a time, or
-    for float32 one bmm over the tiles), whatever the row count."""
+    """The whole tiles of an input run up to CHUNK_ROWS rows per GEMM (THIN_CHUNK_ROWS for a
+    thin one: a LoRA factor's rank-16 side) only where one such call was checked to reproduce
+    its 64-row tiles; either way every row gets exactly the bits of the tile it falls in
+    (computed here as the definition says: one 64-row call at a time, or for float32 one bmm
+    over the tiles), whatever the row count."""
     from oldlogit.parity.kernels import cpu as kernels_cpu
 
     gen = torch.Generator().manual_seed(k + n)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    x = torch.randn(kernels_cpu.CHUNK_ROWS * 2 + 77, k, generator=gen).to(dtype)
+    chunk = kernels_cpu.THIN_CHUNK_ROWS if min(k, n) <= kernels_cpu.THIN else kernels_cpu.CHUNK_ROWS
+    x = torch.randn(chunk * 2 + 77, k, generator=gen).to(dtype)
 
     def reference(rows: torch.Tensor) -> torch.Tensor:
         padded = torch.zeros(-(-rows.shape[0] // 64) * 64, k, dtype=dtype)
@@ -194,16 +197,16 @@ def test_chunks_give_every_row_its_tiles_bits(dtype, k, n, bias, monkeypatch):
         ]
         return torch.cat(parts)[: rows.shape[0]]
 
-    for m in (1, 64, 100, 128, 448, kernels_cpu.CHUNK_ROWS, kernels_cpu.CHUNK_ROWS + 1, x.shape[0]):
+    for m in (1, 64, 100, 128, 448, kernels_cpu.CHUNK_ROWS, chunk, chunk + 1, x.shape[0]):
         assert torch.equal(tiled_mm(x[:m], weight, 64, b), reference(x[:m])), m
     # The check says what this machine's kernels do (which shapes verify depends on the CPU's
     # kernels: a 896 -> 128 bf16 GEMM with a bias does on some Xeons and not on others): one
     # CHUNK_ROWS-row call gives its tiles' bits where the check passed (random rows may agree
     # where it did not: two orders can round alike at every bf16 output) ...
-    rows = x[: kernels_cpu.CHUNK_ROWS]
+    rows = x[:chunk]
     whole = torch.addmm(b, rows, weight.t()) if b is not None else rows @ weight.t()
     # (float32 tiles are one bmm: the check compares against that)
-    if dtype != torch.float32 and kernels_cpu.chunk_verified(weight, b, 64, kernels_cpu.CHUNK_ROWS):
+    if dtype != torch.float32 and kernels_cpu.chunk_verified(weight, b, 64, chunk):
         assert torch.equal(whole, reference(rows))
     # ... and where a check fails, the tiles run one by one with the same bits.
     monkeypatch.setattr(kernels_cpu, "chunk_verified", lambda *a: False)

@@ -36,6 +36,7 @@ from oldlogit_service.api.grpc import start_grpc_server
 from oldlogit_service.api.http import create_app, create_health_app
 from oldlogit_service.api.tls import ServerTls
 from oldlogit_service.cache import ResultCache
+from oldlogit_service.cluster.chain import CHAIN_DIR
 from oldlogit_service.cluster.control import Control, LocalControl
 from oldlogit_service.cluster.redis_adapters import RedisResultCache, check_eviction_policy, connect
 from oldlogit_service.cluster.replicas import ClusterControl, advertised_address, default_replica_id
@@ -138,12 +139,17 @@ def build_service(settings: Settings) -> Service:
     clustered = settings.redis_url is not None
     replica_id = settings.replica_id or default_replica_id()
     # Scale-out: each replica keeps its own store directory on the shared volume (its own
-    # registry file and lock) and adopts other replicas' versions by hard link. Versions are
-    # stored whole there: a patch can only be adopted with its chain.
+    # registry file and lock); the versions are one chain of keyframes and patches for the
+    # deployment, in <snapshot-dir>/chain, adopted with their chain by hard link.
     root = settings.snapshot_dir / "replicas" / replica_id if clustered else settings.snapshot_dir
     root.mkdir(parents=True, exist_ok=True)
     cluster = (
-        ClusterControl(settings.redis_url, settings.namespace, replica_id)
+        ClusterControl(
+            settings.redis_url,
+            settings.namespace,
+            replica_id,
+            chain_dir=settings.snapshot_dir / CHAIN_DIR,
+        )
         if settings.redis_url is not None
         else None
     )
@@ -158,11 +164,10 @@ def build_service(settings: Settings) -> Service:
             host_budget_bytes=settings.host_budget_bytes,
             disk_budget_bytes=settings.disk_budget_bytes,
             max_versions=settings.max_versions,
-            keyframe_every=1 if clustered else settings.keyframe_every,
+            keyframe_every=settings.keyframe_every,
             keyframe_chain_fraction=settings.keyframe_chain_fraction,
             keyframes_follow_access=settings.keyframes_follow_access,
-            claim=cluster.claim if cluster is not None else None,
-            pinned_elsewhere=cluster.leased_versions if cluster is not None else None,
+            shared=cluster.shared if cluster is not None else None,
         )
     )
     control: Control = cluster.bind(store) if cluster is not None else LocalControl(store)

@@ -6,7 +6,12 @@ offer, shared by every replica. Redis errors are translated here, at one boundar
 Redis must not evict keys (``noeviction``); the result-cache Redis should (``allkeys-lru``).
 
 Keys (``{ns}`` = ``oldlogit:{namespace}``):
-    {ns}:versions            hash  version -> JSON record (sha256, kind, parent, file, nbytes)
+    {ns}:versions            hash  version -> JSON record (sha256, kind, parent, file, nbytes,
+                                   file_sha256, file_nbytes, created_at, replica): the chain
+    {ns}:pending             hash  chain file -> replica: linked on the shared volume, its
+                                   record not written yet (a publish's claim, in flight)
+    {ns}:rekey               str   the replica holding the re-key lease (PX; void once that
+                                   replica's heartbeat is gone)
     {ns}:newest              int   newest version ever acknowledged
     {ns}:watermark           int   retention watermark (only moves up)
     {ns}:gone                set   versions acknowledged once and since deleted (tombstones)
@@ -83,7 +88,8 @@ def check_eviction_policy(client: redis.Redis, *, want: str, role: str) -> str |
     return policy
 
 
-# Atomic registration: one winner per version, never two different weights under one.
+# Atomic registration: one winner per version, never two different weights under one; a
+# patch only while its parent is retained (a removal cannot slip between its diff and this).
 _REGISTER = """
 local existing = redis.call('HGET', KEYS[1], ARGV[1])
 if existing then
@@ -94,9 +100,81 @@ end
 if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return {'gone', ''} end
 local newest = redis.call('GET', KEYS[2])
 if newest and tonumber(ARGV[1]) <= tonumber(newest) then return {'not_increasing', newest} end
+if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[4]) == 0 then
+  return {'parent_gone', ARGV[4]}
+end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[1])
+if ARGV[5] ~= '' then redis.call('HDEL', KEYS[4], ARGV[5]) end
 return {'created', ARGV[3]}
+"""
+
+# A chain rewrite (re-keyed dependents of removed versions, a keyframe moved) swapped in at
+# once, by the re-key lease's holder, only over the records it was computed from, and never
+# leaving a retained record whose parent is removed.
+_SWAP = """
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return 'lease_lost' end
+local req = cjson.decode(ARGV[2])
+for v, file in pairs(req['expect']) do
+  local raw = redis.call('HGET', KEYS[1], v)
+  if not raw or cjson.decode(raw)['file'] ~= file then return 'changed' end
+end
+local gone = {}
+local any = false
+for _, v in ipairs(req['remove']) do gone[tostring(v)] = true; any = true end
+if any then
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    if not gone[all[i]] and req['replace'][all[i]] == nil then
+      local p = cjson.decode(all[i + 1])['parent']
+      if type(p) == 'number' and gone[tostring(p)] then return 'dependent' end
+    end
+  end
+end
+for _, v in ipairs(req['remove']) do
+  redis.call('HDEL', KEYS[1], tostring(v))
+  redis.call('SADD', KEYS[2], tostring(v))
+end
+for v, raw in pairs(req['replace']) do redis.call('HSET', KEYS[1], v, raw) end
+return 'ok'
+"""
+
+# Versions whose files are damaged go with every retained version rebuilt through them.
+_FORGET_TREE = """
+local gone = {}
+for _, v in ipairs(ARGV) do gone[v] = true end
+local grew = true
+while grew do
+  grew = false
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    if not gone[all[i]] then
+      local p = cjson.decode(all[i + 1])['parent']
+      if type(p) == 'number' and gone[tostring(p)] then gone[all[i]] = true; grew = true end
+    end
+  end
+end
+local out = {}
+for v, _ in pairs(gone) do
+  if redis.call('HDEL', KEYS[1], v) == 1 then table.insert(out, v) end
+  redis.call('SADD', KEYS[2], v)
+end
+return out
+"""
+
+# The re-key lease: free, ours already, or its holder's heartbeat gone (it died).
+_TAKE_LEASE = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or cur == ARGV[1] or redis.call('EXISTS', ARGV[3] .. cur) == 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+_DROP_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 _RAISE_WATERMARK = """
@@ -107,6 +185,19 @@ if (not cur) or tonumber(ARGV[1]) > tonumber(cur) then
 end
 return tonumber(cur)
 """
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class ParentGone(Exception):
+    """A patch's claim came after its parent was removed from the deployment."""
+
+    def __init__(self, version: int, parent: int) -> None:
+        super().__init__(f"version {version}: its parent {parent} is no longer retained")
+        self.version = version
+        self.parent = parent
 
 
 @dataclass(frozen=True)
@@ -123,6 +214,10 @@ class RedisRegistry:
         self.ns = f"oldlogit:{namespace}"
         self._register = client.register_script(_REGISTER)
         self._raise_wm = client.register_script(_RAISE_WATERMARK)
+        self._swap = client.register_script(_SWAP)
+        self._forget_tree = client.register_script(_FORGET_TREE)
+        self._take_lease = client.register_script(_TAKE_LEASE)
+        self._drop_lease = client.register_script(_DROP_LEASE)
 
     @property
     def events_channel(self) -> str:
@@ -130,10 +225,22 @@ class RedisRegistry:
 
     def register(self, version: int, record: dict[str, Any]) -> Registered:
         """Atomically claim ``version`` for ``record['sha256']`` (idempotent, or a conflict)."""
+        parent = record.get("parent") if record.get("kind") == "patch" else None
         with translated(f"register version {version}"):
             out = self._register(
-                keys=[f"{self.ns}:versions", f"{self.ns}:newest", f"{self.ns}:gone"],
-                args=[version, record["sha256"], json.dumps(record, sort_keys=True)],
+                keys=[
+                    f"{self.ns}:versions",
+                    f"{self.ns}:newest",
+                    f"{self.ns}:gone",
+                    f"{self.ns}:pending",
+                ],
+                args=[
+                    version,
+                    record["sha256"],
+                    json.dumps(record, sort_keys=True),
+                    "" if parent is None else str(parent),
+                    str(record.get("file", "")),
+                ],
             )
         outcome = out[0].decode() if isinstance(out[0], bytes) else str(out[0])
         payload = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
@@ -150,6 +257,8 @@ class RedisRegistry:
                 f"{payload}: versions only go up",
                 parameter="policy_version",
             )
+        if outcome == "parent_gone":
+            raise ParentGone(version, int(payload))
         if outcome == "gone":
             raise VersionNotIncreasing(
                 f"policy_version {version} was published and deleted before; it cannot be "
@@ -189,6 +298,103 @@ class RedisRegistry:
             pipe.sadd(f"{self.ns}:gone", str(version))
             pipe.publish(self.events_channel, json.dumps({"event": "deleted", "version": version}))
             pipe.execute()
+
+    # -- the shared chain ---------------------------------------------------------------
+    def pending(self, name: str, replica_id: str) -> None:
+        """A chain file is about to be linked on the shared volume for a claim."""
+        with translated("announce a chain file"):
+            self.r.hset(f"{self.ns}:pending", name, replica_id)
+
+    def not_pending(self, name: str) -> None:
+        with translated("withdraw a chain file"):
+            self.r.hdel(f"{self.ns}:pending", name)
+
+    def clear_pending(self, replica_id: str) -> None:
+        """Withdraw this replica's announced files (at start: none of its claims is in
+        flight, so what a killed process announced is an orphan)."""
+        with translated("withdraw chain files"):
+            pend = self.r.hgetall(f"{self.ns}:pending")
+            mine = [k for k, v in pend.items() if _text(v) == replica_id]
+            if mine:
+                self.r.hdel(f"{self.ns}:pending", *mine)
+
+    def gone_among(self, versions: list[int]) -> set[int]:
+        """Which of ``versions`` are tombstoned (deleted from the deployment)."""
+        if not versions:
+            return set()
+        with translated("read deletions"):
+            flags = self.r.smismember(f"{self.ns}:gone", [str(v) for v in versions])
+        return {v for v, f in zip(versions, flags, strict=True) if f}
+
+    def chain_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, str]]:
+        """The records and the pending chain files, read at one instant."""
+        with translated("read the chain"):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hgetall(f"{self.ns}:versions")
+            pipe.hgetall(f"{self.ns}:pending")
+            raw, pend = pipe.execute()
+        return (
+            {int(k): json.loads(v) for k, v in raw.items()},
+            {_text(k): _text(v) for k, v in pend.items()},
+        )
+
+    def take_rekey_lease(self, replica_id: str, member_prefix: str, ttl_s: float) -> bool:
+        """Take (or renew) the re-key lease; False while another live replica holds it."""
+        with translated("take the re-key lease"):
+            got = self._take_lease(
+                keys=[f"{self.ns}:rekey"],
+                args=[replica_id, max(1, int(ttl_s * 1000)), member_prefix],
+            )
+        return bool(int(got))
+
+    def drop_rekey_lease(self, replica_id: str) -> None:
+        with translated("release the re-key lease"):
+            self._drop_lease(keys=[f"{self.ns}:rekey"], args=[replica_id])
+
+    def swap(
+        self,
+        replica_id: str,
+        remove: list[int],
+        replace: dict[int, dict[str, Any]],
+        expect: dict[int, str],
+    ) -> str:
+        """Swap a chain rewrite in: ``remove`` (tombstoned), ``replace`` (new records), only
+        while ``expect`` (version -> file) are the records and this replica holds the re-key
+        lease. Returns "ok", "lease_lost", "changed" or "dependent" (a retained record not
+        in the rewrite has a removed parent)."""
+        req = {
+            "remove": remove,
+            "replace": {str(v): json.dumps(r, sort_keys=True) for v, r in replace.items()},
+            "expect": {str(v): f for v, f in expect.items()},
+        }
+        with translated("rewrite the chain"):
+            out = _text(
+                self._swap(
+                    keys=[f"{self.ns}:versions", f"{self.ns}:gone", f"{self.ns}:rekey"],
+                    args=[replica_id, json.dumps(req)],
+                )
+            )
+            if out == "ok":
+                self.r.publish(
+                    self.events_channel,
+                    json.dumps({"event": "chain", "version": -1, "removed": remove}),
+                )
+        return out
+
+    def forget_tree(self, versions: list[int]) -> list[int]:
+        """Drop versions (damaged files) and every record rebuilt through them; returns
+        the versions dropped."""
+        with translated("drop damaged versions"):
+            out = self._forget_tree(
+                keys=[f"{self.ns}:versions", f"{self.ns}:gone"], args=[str(v) for v in versions]
+            )
+            gone = sorted(int(_text(v)) for v in out)
+            if gone:
+                self.r.publish(
+                    self.events_channel,
+                    json.dumps({"event": "chain", "version": -1, "removed": gone}),
+                )
+        return gone
 
     def watermark(self) -> int | None:
         with translated("read the watermark"):

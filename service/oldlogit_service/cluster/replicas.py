@@ -3,9 +3,11 @@
 In: the local ``SnapshotStore`` and the Redis adapters. Out: a replica that agrees with every
 other on versions, watermark, leases and deletions. Each replica keeps its own store directory
 under ``<snapshot_dir>/replicas/<replica_id>`` (its own registry file and lock, so the store's
-crash-safety holds unchanged); a version published anywhere is *adopted* lazily by hard-linking
-the publisher's file (same volume, no copy) and verifying its sha256. The Redis registry is the
-source of truth: a publish is acknowledged only after its atomic claim there succeeds.
+crash-safety holds unchanged); the versions themselves are one chain of keyframes and patches
+for the whole deployment (``chain.py``): a version published anywhere is *adopted* lazily with
+its chain by hard-linking the shared files (same volume, no copy), every step hash-checked.
+The Redis registry is the source of truth: a publish is acknowledged only after its atomic
+claim there succeeds.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from oldlogit.contract.errors import (
     VersionEvicted,
 )
 from oldlogit.contract.types import LeaseInfo, VersionInfo
+from oldlogit_service.cluster.chain import DeploymentChain
 from oldlogit_service.cluster.control import check_ttl, lease_info, version_info
 from oldlogit_service.cluster.redis_adapters import (
     EventListener,
@@ -38,6 +41,7 @@ from oldlogit_service.cluster.redis_adapters import (
 )
 from oldlogit_service.config import is_wildcard
 from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.snapshots.shared import SharedChain
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +65,8 @@ def advertised_address(bind_host: str, port: int, advertise_host: str | None = N
 class ClusterControl:
     """The replica's view of the deployment, kept in step through Redis (``control.Control``).
 
-    Built before the store (whose publishes it claims: ``claim``; whose retention it pins:
-    ``leased_versions``), then ``bind``-ed to it.
+    Built before the store (which it gives the shared chain's hooks: ``shared``), then
+    ``bind``-ed to it. ``chain_dir``: the shared chain directory on the shared volume.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class ClusterControl:
         namespace: str,
         replica_id: str,
         *,
+        chain_dir: Path,
         heartbeat_s: float = 1.0,
     ) -> None:
         self.replica_id = replica_id
@@ -83,9 +88,12 @@ class ClusterControl:
         self._queue_depth: Callable[[], int] = lambda: 0
         self._address: dict[str, str] = {}
         self._stop = threading.Event()
-        self._adopt_lock = threading.Lock()
         self._pins: set[int] = set()
         self._pins_at = 0.0
+        self.chain = DeploymentChain(
+            self.registry, self.membership, replica_id, chain_dir, pinned=self.leased_versions
+        )
+        self._follow_due = True
         self._listener = EventListener(
             connect(redis_url), self.registry.events_channel, self._on_event, self._catch_up
         )
@@ -95,7 +103,13 @@ class ClusterControl:
 
     def bind(self, store: SnapshotStore) -> ClusterControl:
         self._store = store
+        self.chain.bind(store)
         return self
+
+    @property
+    def shared(self) -> SharedChain:
+        """The store's hooks into the deployment's chain."""
+        return self.chain.hooks()
 
     @property
     def store(self) -> SnapshotStore:
@@ -110,6 +124,10 @@ class ClusterControl:
             check_eviction_policy(self._client, want="noeviction", role="registry")
         except Exception:
             logger.warning("could not check the registry Redis eviction policy")
+        try:
+            self.registry.clear_pending(self.replica_id)  # a killed process's claims
+        except Unavailable:
+            logger.warning("registry unreachable at start: chain files announced stay so")
         self._listener.start()
         self._thread.start()
 
@@ -136,19 +154,10 @@ class ClusterControl:
                 logger.exception("heartbeat failed")
             self._stop.wait(self._heartbeat_s)
 
-    # -- publish: the claim, between "durable here" and "visible anywhere" ------------------
-    def claim(self, version: int, sha256: str, path: Path, record: dict[str, Any]) -> bool:
-        """Claim ``version`` in the registry; True if created, False if the same weights were
-        already there (idempotent). Raises VersionConflict / VersionNotIncreasing /
-        Unavailable — then the store rolls the local file back and nothing is acknowledged."""
-        out = self.registry.register(
-            version, {**record, "sha256": sha256, "file": str(path), "replica": self.replica_id}
-        )
-        return out.outcome == "created"
-
     # -- lazy adoption -------------------------------------------------------------------
     def ensure_local(self, version: int) -> None:
-        """Make a version registered anywhere servable here (hard link + sha256 check)."""
+        """Make a version registered anywhere servable here (its chain adopted: hard links,
+        every step's sha256 checked)."""
         if self.store.has(version):
             return
         rec = self.registry.get(version)
@@ -167,10 +176,10 @@ class ClusterControl:
             raise UnknownVersion(
                 f"policy_version {version} was never published", parameter="policy_version"
             )
-        with self._adopt_lock:
+        with self.chain.lock:
             if self.store.has(version):
                 return
-            self.store.adopt(version, Path(rec["file"]), str(rec["sha256"]))
+            self.chain.adopt(version)
             logger.info("adopted version %d from %s", version, rec.get("replica"))
 
     def _retained(self) -> list[int] | None:
@@ -196,23 +205,31 @@ class ClusterControl:
         kind, version = ev.get("event"), int(ev.get("version", -1))
         if kind == "watermark":
             self.apply_watermark(version)
-        elif kind == "deleted":
-            self._apply_delete(version)
+        elif kind in ("deleted", "chain"):
+            self.follow()
         elif kind in ("lease", "release"):
             self._pins_at = 0.0  # re-read on the next retention pass
 
     def _catch_up(self) -> None:
-        """On (re)connect: apply what may have been missed (watermark, deletions)."""
+        """On (re)connect: apply what may have been missed (watermark, deletions, rewrites)."""
         try:
             wm = self.registry.watermark()
-            registered = self.registry.all()
         except Unavailable:
             return
         if wm is not None:
             self.apply_watermark(wm)
-        for rec in self.store.versions():
-            if rec.version not in registered and self.registry.is_gone(rec.version):
-                self._apply_delete(rec.version)
+        self.follow()
+
+    def follow(self) -> None:
+        """This store's records to the deployment's (removals, re-keyed chains); retried by
+        the sweeper when it cannot finish now."""
+        try:
+            with self.chain.lock:
+                self.chain.follow()
+            self._follow_due = False
+        except Exception as exc:
+            self._follow_due = True
+            logger.info("following the deployment's chain failed (retried): %s", exc)
 
     def apply_watermark(self, version: int) -> None:
         """Raise the local store's watermark to ``version`` if it is behind (idempotent; pub/sub
@@ -224,18 +241,11 @@ class ClusterControl:
         except Exception:
             logger.exception("could not apply watermark %d", version)
 
-    def _apply_delete(self, version: int) -> None:
-        if self.store.has(version):
-            try:
-                self.store.delete(version)
-            except Exception:
-                logger.warning("version %d deleted elsewhere stays here for now", version)
-
     # -- control ------------------------------------------------------------------------
     def prepare(self, versions: set[int], *, tolerant: bool) -> None:
         for v in sorted(versions):
             if self.store.has(v):
-                continue
+                continue  # (below the watermark: the store refuses it, named)
             try:
                 self.ensure_local(v)
             except OldLogitError:
@@ -244,7 +254,7 @@ class ClusterControl:
 
     def versions(self) -> tuple[list[VersionInfo], int | None]:
         """Every replica's view: the registry, with this replica's tiers where local."""
-        local = {r.version: version_info(r) for r in self.store.versions()}
+        local = self._listed()
         try:
             shared = self.registry.all()
             watermark = self.registry.watermark()
@@ -255,7 +265,7 @@ class ClusterControl:
             # raised on another replica and its event not here yet: apply it before answering,
             # so a listing right after set_watermark agrees on every replica
             self.apply_watermark(watermark)
-            local = {r.version: version_info(r) for r in self.store.versions()}
+            local = self._listed()
         for v, rec in shared.items():
             if watermark is not None and v < watermark:
                 continue
@@ -270,6 +280,13 @@ class ClusterControl:
                 ),
             )
         return [local[v] for v in sorted(local)], watermark
+
+    def _listed(self) -> dict[int, VersionInfo]:
+        return {
+            r.version: version_info(r)
+            for r in self.store.versions()
+            if not self.store.retired_here(r.version)
+        }
 
     def version(self, version: int) -> VersionInfo:
         if not self.store.has(version):
@@ -291,10 +308,28 @@ class ClusterControl:
 
     def sweep(self) -> None:
         self.store.sweep()
+        if self._follow_due:
+            self.follow()
+        try:
+            with self.chain.lock:
+                self.chain.maintain()
+        except Unavailable:
+            pass
+        except Exception:
+            logger.exception("the deployment's retention / re-keying failed; retried")
 
     def set_watermark(self, version: int) -> int:
         wm = self.registry.raise_watermark(version)
         self.apply_watermark(wm)
+        # Retire what it releases now if no other replica is rewriting (else the holder's
+        # sweep does); until then every replica refuses those versions (``retired_here``).
+        try:
+            with self.chain.lock, self.chain.lease(wait_s=2.0) as held:
+                if held:
+                    self.chain.follow()
+                    self.chain.retain()
+        except Exception:
+            logger.exception("retention after the watermark failed; the sweeper retries")
         return wm
 
     def delete(self, version: int) -> None:
@@ -305,9 +340,20 @@ class ClusterControl:
                 f"{len(live) - 1} more) until its lease ends or is released",
                 parameter="policy_version",
             )
-        if self.registry.get(version) is None and not self.store.has(version):
+        if self.registry.get(version) is None:
+            if self.registry.is_gone(version):
+                self.follow()
+                return
             raise UnknownVersion(
                 f"policy_version {version} is not retained", parameter="policy_version"
             )
-        self.registry.forget(version)
-        self._apply_delete(version)
+        with self.chain.lock, self.chain.lease(wait_s=10.0) as held:
+            if not held:
+                raise Unavailable(
+                    "another replica is rewriting the deployment's chain; retry the delete",
+                    retry_after_s=1.0,
+                )
+            self.chain.follow()
+            records = self.chain.records()
+            if version in records:
+                self.chain.remove({version}, records)

@@ -69,6 +69,7 @@ class Publisher:
         snapshot_nbytes: int,
         clock: Callable[[], float],
         claim: Claim | None,
+        fetch: Callable[[int | None], None] | None = None,
     ) -> None:
         self._registry = registry
         self._residency = residency
@@ -77,6 +78,7 @@ class Publisher:
         self._snapshot_nbytes = snapshot_nbytes
         self._clock = clock
         self._claim = claim
+        self._fetch = fetch
         self._dir = registry.root / persist.WEIGHTS
 
     # -- entry points -----------------------------------------------------------------------
@@ -131,6 +133,8 @@ class Publisher:
             _check_expected(meta_sha, expected)
         expected = expected or meta_sha
         existing = self._registry.precheck(version)
+        if existing is None and (parent is None or not self._registry.has(parent)):
+            self._fetch_parent(parent)
         if parent is None:
             parent = self._registry.newest_retained()
         if existing is None and (
@@ -200,6 +204,17 @@ class Publisher:
         stored = persist.StoredVersion(version, sha, self._snapshot_nbytes, name, self._clock())
         return self._commit(stored, adopt=True)
 
+    def _fetch_parent(self, version: int | None) -> None:
+        """On a shared chain: adopt the parent a new version is diffed against (None: the
+        deployment's newest) if another replica published it; without it the version is
+        diffed against what this replica holds, or stored whole."""
+        if self._fetch is None:
+            return
+        try:
+            self._fetch(version)
+        except Exception as exc:
+            logger.info("no parent %s from the deployment for a diff: %s", version, exc)
+
     # -- full weights -----------------------------------------------------------------------
     def _if_retry(
         self, version: int, sources: Mapping[str, TensorSource], expected: str | None
@@ -267,6 +282,7 @@ class Publisher:
         buf, layout, sha = buffers.buffer_from_sources(sources, pin=self._residency.pin_host)
         _check_expected(sha, expected)
         res = Resident(buf, layout, persist.tensor_views(buf, layout), self._snapshot_nbytes)
+        self._fetch_parent(None)
         return self._store(version, sha, res, parent=self._registry.newest_retained(), patch=None)
 
     def _store(
@@ -324,16 +340,15 @@ class Publisher:
                 existing = self._registry.precheck(version, adopt=adopt)  # a racer may have won
                 if existing is None:
                     if self._claim is not None and not adopt:
-                        created = self._claim(
-                            version,
-                            sha,
-                            final,
-                            {"kind": stored.kind, "parent": stored.parent, "nbytes": stored.nbytes},
-                        )
-                    self._registry.commit(stored, adopt=adopt)
+                        created = self._claim(version, sha, final, stored.to_json())
+                    if created:
+                        self._registry.commit(stored, adopt=adopt)
         except BaseException:
             final.unlink(missing_ok=True)
             raise
+        if not created:  # the deployment has these weights already (another replica's file)
+            final.unlink(missing_ok=True)
+            return PublishOutcome(version, sha, False, stored.nbytes)
         if existing is not None:
             final.unlink(missing_ok=True)
             return self._same_or_conflict(version, sha, existing)

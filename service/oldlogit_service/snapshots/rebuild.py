@@ -220,11 +220,11 @@ class Rebuilder:
         cached = self._residency.cached_patch(sv.version, key)
         if cached is not None:
             return cached
-        patch = self._read_patch(sv)
+        patch = self.read_patch(sv)
         self._residency.offer(sv.version, patch, patch_key=key)
         return patch
 
-    def _read_patch(self, sv: persist.StoredVersion) -> codec.Patch:
+    def read_patch(self, sv: persist.StoredVersion) -> codec.Patch:
         """A patch file read, its hash checked, decoded."""
         buf, header = persist.read_keyframe(
             self._dir / sv.file, pin=False, expect_sha256=sv.file_sha256, version=sv.version
@@ -484,7 +484,7 @@ class Rebuilder:
                 written.append(sv.file)
                 records[x.version] = sv
                 # What a rebuild will read: the file, applied to the version after it.
-                codec.rebuild(buf, layout, [self._read_patch(sv)])  # buf: y -> x
+                codec.rebuild(buf, layout, [self.read_patch(sv)])  # buf: y -> x
                 got = buffers.hash_buffer(buf, layout)
                 if got != x.sha256:
                     raise persist.CorruptSnapshot(

@@ -151,6 +151,10 @@ class Registry:
                 self._last_used[version] = self._clock()
 
     @property
+    def max_versions(self) -> int:
+        return self._max_versions
+
+    @property
     def newest(self) -> int | None:
         """The newest version ever acknowledged (it may since have been deleted)."""
         return self._newest

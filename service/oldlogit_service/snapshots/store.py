@@ -47,6 +47,12 @@ from oldlogit_service.snapshots.records import (
 )
 from oldlogit_service.snapshots.registry import Registry, check_version
 from oldlogit_service.snapshots.residency import Residency, Resident
+from oldlogit_service.snapshots.shared import (
+    SharedChain,
+    adopt_chain,
+    follow_records,
+    link_shared,
+)
 from oldlogit_service.snapshots.tiers import DISK, TierAccount
 
 logger = logging.getLogger(__name__)
@@ -117,6 +123,7 @@ class SnapshotStore:
         claim: Claim | None = None,
         pinned_elsewhere: Callable[[], set[int]] | None = None,
         keyframes_follow_access: bool = True,
+        shared: SharedChain | None = None,
     ) -> None:
         """``verify_first_load``: a version recovered from an earlier process has its weight
         hash recomputed on its first load (one more pass over memory per version per process;
@@ -130,8 +137,13 @@ class SnapshotStore:
         rebuilds lately asked for would apply the fewest patches (``rebuild.py``; never in
         scale-out, where another replica may still adopt a keyframe's file).
 
-        Scale-out: ``claim`` is the shared registry's claim, between "durable here" and
-        "visible anywhere"; ``pinned_elsewhere`` the versions leased on other replicas.
+        Scale-out: ``shared`` (``shared.py``) puts this store's chain files on the shared
+        volume, one chain for every replica: publishes are claimed there, versions published
+        elsewhere adopted with their chain, and this store's chains rewritten (retention,
+        deletes, keyframe moves) only when the deployment's control asks, under its re-key
+        lease — retention and keyframe moves are not this store's own decisions then.
+        ``claim`` alone (no shared chain): the shared registry's claim; ``pinned_elsewhere``
+        the versions leased on other replicas.
         """
         if max_versions < 1:
             raise ValueError("max_versions must be >= 1")
@@ -141,7 +153,11 @@ class SnapshotStore:
         self._root = Path(root)
         self._specs = ingest.normalize_specs(param_specs)
         self._snapshot_nbytes = ingest.specs_nbytes(self._specs)
+        if shared is not None:
+            claim, pinned_elsewhere = shared.claim, shared.pinned_elsewhere
+        self._shared = shared
         self._pinned_elsewhere = pinned_elsewhere
+        self.keyframes_follow_access = keyframes_follow_access
         self._follow_access = keyframes_follow_access and claim is None
         self._closed = False
         self._retention_due = False
@@ -184,6 +200,7 @@ class SnapshotStore:
             snapshot_nbytes=self._snapshot_nbytes,
             clock=clock,
             claim=claim,
+            fetch=shared.fetch if shared is not None else None,
         )
         self._adapters = Adapters(
             registry=self.registry, specs=self._specs, clock=clock, clustered=claim is not None
@@ -278,6 +295,10 @@ class SnapshotStore:
                 "and the adapter applied (SnapshotStore.adapter)",
                 parameter="policy_version",
             )
+        if self.retired_here(version):
+            raise self.registry.missing_error(
+                version, f"it is below the watermark {self.watermark}"
+            )
         self.registry.touch(version)
         try:
             return self.residency.pin(version, sv.nbytes, wanted, uses=uses)
@@ -286,6 +307,14 @@ class SnapshotStore:
         except OldLogitError as exc:
             # A load's followers re-raise a copy, so threads do not share one traceback.
             raise error_from_payload(exc.to_payload()) from exc
+
+    def retired_here(self, version: int) -> bool:
+        """On a shared chain: below the watermark and leased nowhere — kept only until the
+        deployment's retention removes it (a chain may still run through it), never served."""
+        wm = self.registry.watermark
+        if self._shared is None or wm is None or version >= wm:
+            return False
+        return version not in self._shared.pinned_elsewhere()
 
     def hold(self, version: int, wanted: AbstractSet[int] = frozenset()) -> None:
         """Make ``version`` device-resident and keep it so until ``unhold`` (the scheduler's
@@ -344,6 +373,11 @@ class SnapshotStore:
                     logger.error(
                         "versions %s were rebuilt through version %d: gone too", gone[1:], bad
                     )
+                if self._shared is not None:
+                    try:  # the file is the deployment's: every replica reads the same bytes
+                        self._shared.quarantined(gone)
+                    except Exception:
+                        logger.exception("could not drop versions %s from the deployment", gone)
         return self.registry.missing_error(
             version,
             "its file (or one of the files it is rebuilt from) failed verification and was "
@@ -474,6 +508,72 @@ class SnapshotStore:
         self._check_open()
         return self._publisher.adopt(version, Path(path), expected_sha256)
 
+    # -- a shared chain (scale-out: ``shared.py``) ------------------------------------------
+    def _shared_chain(self) -> SharedChain:
+        if self._shared is None:
+            raise InvalidRequest("this store is not on a shared chain", parameter="shared")
+        return self._shared
+
+    def adopt_chain(self, chain: list[persist.StoredVersion]) -> None:
+        """Take in a version with its chain ([version, parent, ..., keyframe], the deployment's
+        records): linked from the shared directory, every step rebuilt and hash-checked."""
+        self._check_open()
+        adopt_chain(
+            chain,
+            shared=self._shared_chain().directory,
+            registry=self.registry,
+            residency=self.residency,
+            rebuilder=self.rebuilder,
+        )
+
+    def follow(
+        self, records: Mapping[int, persist.StoredVersion], removed: set[int]
+    ) -> tuple[list[int], list[int]]:
+        """Switch to the deployment's records (``records``: all it retains; ``removed``: the
+        held versions it deleted): those go here, re-keyed ones get their new file. Returns
+        (removed, switched)."""
+        self._check_open()
+        return follow_records(
+            records,
+            removed,
+            shared=self._shared_chain().directory,
+            registry=self.registry,
+            residency=self.residency,
+            rebuilder=self.rebuilder,
+            in_use=self.residency.in_use,
+        )
+
+    def remove_versions(self, versions: set[int]) -> list[int]:
+        """Remove these held versions (the deployment's retention chose them; the caller
+        holds the re-key lease): dependents re-keyed or rebased, the rewrite swapped into
+        the deployment first. Returns what was removed."""
+        self._check_open()
+        with self.registry.persist_lock:
+            held = tuple(sorted(v for v in versions if self.registry.has(v)))
+            if held:
+                self._remove(held, evicted=True)
+        return list(held)
+
+    def _share_rewrite(
+        self,
+        remove: tuple[int, ...],
+        replace: Mapping[int, persist.StoredVersion],
+        expect: Mapping[int, persist.StoredVersion],
+    ) -> None:
+        """Link rewritten files into the shared directory and swap the records there (the
+        deployment's records must still be ``expect``); raises ``ChainMoved`` otherwise, with
+        the shared links removed again. Call before this store's own records change."""
+        shared = self._shared_chain()
+        linked: list[str] = []
+        try:
+            for sv in replace.values():
+                link_shared(self._root / persist.WEIGHTS / sv.file, shared.directory, sv.file)
+                linked.append(sv.file)
+            shared.swap(remove, replace, expect)
+        except BaseException:
+            persist.remove_files(shared.directory, linked)
+            raise
+
     @property
     def staging_dir(self) -> Path:
         """Where uploads are streamed before ``publish_file(..., move=True)`` (same
@@ -514,6 +614,10 @@ class SnapshotStore:
         the registry's ``persist_lock`` held."""
         rewrites = self.rebuilder.rewrites_for_removal(set(versions))
         try:
+            if self._shared is not None:
+                records = self.registry.records()
+                expect = {v: records[v] for v in (*versions, *rewrites) if v in records}
+                self._share_rewrite(versions, rewrites, expect)
             files = self.registry.remove(versions, replace=rewrites, evicted=evicted)
         except BaseException:
             persist.remove_files(
@@ -561,6 +665,9 @@ class SnapshotStore:
                 persist.remove_files(self._root / persist.WEIGHTS, new_files)
                 return False
             try:
+                if self._shared is not None:
+                    expect = {sv.version: sv for sv in moved.path}
+                    self._share_rewrite((), moved.records, expect)
                 old = self.registry.remove((), replace=moved.records, evicted=False)
             except BaseException:
                 persist.remove_files(self._root / persist.WEIGHTS, new_files)
@@ -586,7 +693,11 @@ class SnapshotStore:
     def _retain(self) -> None:
         """Apply the disk rules after an operation that already succeeded: a failure here (a
         full or read-only disk) is logged and retried by the next sweep, never reported as the
-        failure of that operation (a durable publish must not look failed)."""
+        failure of that operation (a durable publish must not look failed). On a shared
+        chain the deployment's control applies the rules to every replica's versions at once
+        (``remove_versions``), not each store to its own."""
+        if self._shared is not None:
+            return
         try:
             with self.registry.persist_lock:
                 self._retention_due = False

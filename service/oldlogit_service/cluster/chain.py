@@ -1,0 +1,327 @@
+"""The deployment's one chain of keyframes and patches, as one replica takes part in it.
+
+In: the Redis registry (each version's kind, parent, file and hashes), the shared chain
+directory (``<snapshot_dir>/chain``: one link per chain file) and this replica's store. Out: a
+publish claimed with its chain file; a version published elsewhere adopted with its chain
+(``snapshots/shared.py``: hard links, every step hash-checked); this store's records following
+the deployment's; and, by the one replica holding the re-key lease at a time, the rewrites
+every replica then follows — retention over the deployment's versions (a removed version's
+dependents rebased or re-keyed), keyframes that follow access, deletes, and collecting chain
+files no record and no in-flight claim names. Any replica may take the lease; it is void once
+its holder's heartbeat is gone, so a killed holder blocks nobody for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from oldlogit.contract.errors import ParentMissing, Unavailable, VersionEvicted
+from oldlogit_service.cluster.redis_adapters import ParentGone, RedisMembership, RedisRegistry
+from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.snapshots.persist import CorruptSnapshot, StoredVersion
+from oldlogit_service.snapshots.shared import (
+    ChainMoved,
+    SharedChain,
+    check_record,
+    link_shared,
+    shared_files,
+)
+from oldlogit_service.snapshots.tiers import DiskCandidate, disk_victims
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CHAIN_DIR", "DeploymentChain"]
+
+CHAIN_DIR = "chain"  # under --snapshot-dir
+# The re-key lease's time to live; its holder renews it at every step, and it is void as soon
+# as the holder's heartbeat is (a killed replica's: a few seconds).
+REKEY_LEASE_S = 30.0
+_ADOPT_TRIES = 4
+
+
+class DeploymentChain:
+    """Built before the store (whose hooks it gives: ``hooks``), then ``bind``-ed to it."""
+
+    def __init__(
+        self,
+        registry: RedisRegistry,
+        membership: RedisMembership,
+        replica_id: str,
+        directory: Path,
+        *,
+        pinned: Callable[[], set[int]],
+    ) -> None:
+        self.registry = registry
+        self.membership = membership
+        self.replica_id = replica_id
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._pinned = pinned
+        self._store: SnapshotStore | None = None
+        # Adoption, following and rewriting here, one at a time (re-entrant: a rewrite adopts).
+        self.lock = threading.RLock()
+
+    def bind(self, store: SnapshotStore) -> DeploymentChain:
+        self._store = store
+        return self
+
+    @property
+    def store(self) -> SnapshotStore:
+        assert self._store is not None, "bind the chain to its store first"
+        return self._store
+
+    def hooks(self) -> SharedChain:
+        return SharedChain(
+            directory=self.directory,
+            claim=self.claim,
+            fetch=self.fetch,
+            pinned_elsewhere=self._pinned,
+            quarantined=self.quarantined,
+            swap=self.swap,
+        )
+
+    # -- records ---------------------------------------------------------------------------
+    def records(self) -> dict[int, StoredVersion]:
+        """Every version the deployment retains, as chain records."""
+        return {v: _record(v, rec) for v, rec in self.registry.all().items()}
+
+    @staticmethod
+    def chain_of(version: int, records: Mapping[int, StoredVersion]) -> list[StoredVersion]:
+        """[version, its parent, ..., its keyframe] in ``records``; ``ChainMoved`` if broken."""
+        out = [records[version]]
+        while out[-1].kind == "patch":
+            parent = out[-1].parent
+            if parent not in records or len(out) > len(records):
+                raise ChainMoved(f"version {out[-1].version}: its parent {parent} is not retained")
+            out.append(records[parent])  # type: ignore[index]
+        return out
+
+    # -- publish ---------------------------------------------------------------------------
+    def claim(self, version: int, sha256: str, path: Path, record: dict[str, Any]) -> bool:
+        """Link the durable file into the shared directory (announced first, so no collection
+        takes it), then claim the version with its chain record; True if created. On any
+        other outcome the shared link goes again and the store rolls its file back."""
+        name = path.name
+        self.registry.pending(name, self.replica_id)
+        created = False
+        try:
+            link_shared(path, self.directory, name)
+            out = self.registry.register(
+                version, {**record, "sha256": sha256, "file": name, "replica": self.replica_id}
+            )
+            created = out.outcome == "created"
+        except ParentGone as exc:
+            raise ParentMissing(
+                f"policy_version {version} was diffed against version {exc.parent}, which "
+                "the deployment removed meanwhile; publish it again",
+                parameter="parent",
+                details={"parent": exc.parent},
+            ) from exc
+        finally:
+            if not created:
+                (self.directory / name).unlink(missing_ok=True)
+                with contextlib.suppress(Unavailable):
+                    self.registry.not_pending(name)
+        return created
+
+    # -- adoption --------------------------------------------------------------------------
+    def adopt(self, version: int) -> None:
+        """Make a version the deployment retains held here, with its chain. Damaged shared
+        files drop their versions from the deployment (``VersionEvicted``)."""
+        with self.lock:
+            self._adopt(version)
+
+    def _adopt(self, version: int) -> None:
+        for attempt in range(_ADOPT_TRIES):
+            if self.store.has(version):
+                return
+            records = self.records()
+            if version not in records:
+                raise VersionEvicted(
+                    f"policy_version {version} was removed from the deployment",
+                    parameter="policy_version",
+                )
+            try:
+                self.store.adopt_chain(self.chain_of(version, records))
+                return
+            except ChainMoved:
+                # Another replica rewrote the chain since the records were read.
+                time.sleep(0.05 * (attempt + 1))
+            except CorruptSnapshot as exc:
+                bad = exc.version if exc.version is not None else version
+                dropped = self.registry.forget_tree([bad])
+                logger.error(
+                    "version %d failed its check on adoption (%s); dropped %s", bad, exc, dropped
+                )
+                raise VersionEvicted(
+                    f"policy_version {version} is no longer retained: its chain's file of "
+                    f"version {bad} failed verification and was dropped",
+                    parameter="policy_version",
+                ) from exc
+        raise Unavailable(
+            f"policy_version {version}'s chain kept changing while it was adopted; retry",
+            retry_after_s=1.0,
+        )
+
+    def fetch(self, version: int | None) -> None:
+        """A publish's parent (None: the deployment's newest), adopted if retained."""
+        if version is None:
+            version = self.registry.newest()
+            if version is None:
+                return
+        if not self.store.has(version) and self.registry.get(version) is not None:
+            self.adopt(version)
+
+    # -- following the deployment ----------------------------------------------------------
+    def follow(self) -> tuple[list[int], list[int]]:
+        """This store's records to the deployment's (after a removal, re-key or move made on
+        another replica): new parents adopted first. Returns (removed, switched)."""
+        records = self.records()
+        local = self.store.registry.records()
+        for v, sv in local.items():
+            new = records.get(v)
+            if new is None or new.file == sv.file or new.kind != "patch":
+                continue
+            if new.parent is not None and not self.store.has(new.parent):
+                self.adopt(new.parent)
+        missing = [v for v in local if v not in records]
+        removed = self.registry.gone_among(missing)
+        return self.store.follow(records, removed)
+
+    def quarantined(self, versions: tuple[int, ...]) -> None:
+        """A file failed verification here: its versions (and the chain's versions above
+        them) go from the deployment; every replica reads the same bytes."""
+        dropped = self.registry.forget_tree(list(versions))
+        if dropped:
+            logger.error("dropped versions %s from the deployment (a damaged chain file)", dropped)
+
+    # -- the re-key lease and rewrites -----------------------------------------------------
+    def _member_prefix(self) -> str:
+        return f"{self.membership.ns}:member:"
+
+    def take_lease(self) -> bool:
+        return self.registry.take_rekey_lease(self.replica_id, self._member_prefix(), REKEY_LEASE_S)
+
+    @contextlib.contextmanager
+    def lease(self, wait_s: float = 0.0) -> Iterator[bool]:
+        """Hold the re-key lease while the block runs (True), or not (False: another live
+        replica holds it for all of ``wait_s``)."""
+        end = time.monotonic() + wait_s
+        got = self.take_lease()
+        while not got and time.monotonic() < end:
+            time.sleep(0.1)
+            got = self.take_lease()
+        try:
+            yield got
+        finally:
+            if got:
+                with contextlib.suppress(Unavailable):
+                    self.registry.drop_rekey_lease(self.replica_id)
+
+    def swap(
+        self,
+        remove: tuple[int, ...],
+        replace: Mapping[int, StoredVersion],
+        expect: Mapping[int, StoredVersion],
+    ) -> None:
+        """The store's rewrite made the deployment's (``SharedChain.swap``)."""
+        out = self.registry.swap(
+            self.replica_id,
+            list(remove),
+            {v: {**sv.to_json(), "replica": self.replica_id} for v, sv in replace.items()},
+            {v: sv.file for v, sv in expect.items()},
+        )
+        if out != "ok":
+            raise ChainMoved(f"the chain rewrite was not swapped in: {out}")
+
+    def maintain(self) -> None:
+        """Under the re-key lease, if free: follow, apply retention to the deployment's
+        versions, move a keyframe to where rebuilds are asked for, collect orphan files."""
+        with self.lease() as held:
+            if not held:
+                return
+            self.follow()
+            self.retain()
+            if self.store.keyframes_follow_access and self.take_lease():
+                try:
+                    self.store.move_keyframe()
+                except ChainMoved as exc:
+                    logger.info("keyframe move not swapped in: %s", exc)
+            if self.take_lease():
+                self.collect()
+
+    def retain(self) -> list[int]:
+        """The disk rules (watermark, ``max_versions``, byte budget) over every version the
+        deployment retains, oldest first for the limits; leased (anywhere) and in-use (here)
+        versions stay. Call with the lease. Returns the versions removed."""
+        records = self.records()
+        if not records:
+            return []
+        wm = self.registry.watermark()
+        leased = self._pinned()
+        in_use = self.store.residency.in_use()
+        reg = self.store.registry
+        cands = [
+            DiskCandidate(v, sv.disk_nbytes, sv.created_at, v in leased, v in in_use)
+            for v, sv in records.items()
+        ]
+        picked, _ = disk_victims(
+            cands, watermark=wm, max_versions=reg.max_versions, budget=reg.disk.budget
+        )
+        victims = {v for v, _ in picked}
+        if not victims:
+            return []
+        return self.remove(victims, records)
+
+    def remove(self, victims: set[int], records: dict[int, StoredVersion]) -> list[int]:
+        """Remove ``victims`` from the deployment: their dependents are adopted here first and
+        rewritten here (rebased, or re-keyed), the rewrite swapped in, then this store's."""
+        for v, sv in records.items():
+            if v not in victims and sv.kind == "patch" and sv.parent in victims:
+                self.adopt(v)
+        far = sorted(v for v in victims if not self.store.has(v))
+        if far:  # nothing retained outside the victims depends on these (their chain is here)
+            self.swap(tuple(far), {}, {v: records[v] for v in far})
+        held = self.store.remove_versions(victims - set(far))
+        gone = sorted([*far, *held])
+        logger.info("removed versions %s from the deployment", gone)
+        return gone
+
+    def collect(self) -> list[str]:
+        """Delete shared chain files that no record names and no live replica's claim
+        announced (a publish or rewrite killed half-way). Call with the lease."""
+        files = shared_files(self.directory)  # listed before the records are read
+        records, pending = self.registry.chain_state()
+        live = {m["replica_id"] for m in self.membership.members()}
+        keep = {str(rec.get("file", "")) for rec in records.values()}
+        for name, owner in pending.items():
+            if owner in live:
+                keep.add(name)
+            else:
+                with contextlib.suppress(Unavailable):
+                    self.registry.not_pending(name)
+        orphans = sorted(n for n in files if n not in keep)
+        for name in orphans:
+            (self.directory / name).unlink(missing_ok=True)
+        if orphans:
+            logger.info("collected %d chain file(s) no record needs", len(orphans))
+        return orphans
+
+
+def _record(version: int, rec: dict[str, Any]) -> StoredVersion:
+    return check_record(
+        StoredVersion.from_json(
+            {
+                **rec,
+                "version": version,
+                "created_at": rec.get("created_at", 0.0),
+                "nbytes": rec.get("nbytes", 0),
+            }
+        )
+    )

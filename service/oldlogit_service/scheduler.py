@@ -9,10 +9,14 @@ batches need device-resident, holding each until its queued work is done (``pref
 versions ahead, and more while the device budget has room for one without evicting anything:
 it never idles while a queued version could come in for free); the **compute stage** (another
 thread) runs batches only of versions already held, so a hot version keeps being served while a
-cold one loads. ``pick_batch`` / ``pick_batch_lagging`` / ``pick_load`` are the pure policies,
-tested with plain deques. A job names its weights by ``WeightsRef``: a store version (the load
-stage makes it resident), or a proxy policy's resident tensors (the EWMA average) named by
-their weight hash.
+cold one loads. Hot traffic first: where the store has a ``foreground``
+(``snapshots/yielding.py``), each batch runs inside its ``forward()`` and the scheduler tells it
+whenever batches of resident versions are queued (``demand``), so the store's background work —
+the load stage's loads, rebuilds, re-keying, sweeps — pauses between chunks for them, in turns
+bounded so a cold version still loads. ``pick_batch`` / ``pick_batch_lagging`` / ``pick_load``
+are the pure policies, tested with plain deques. A job names its weights by ``WeightsRef``: a
+store version (the load stage makes it resident), or a proxy policy's resident tensors (the
+EWMA average) named by their weight hash.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ if TYPE_CHECKING:  # the scheduler drives them; importing them is the runtime's 
 
     from oldlogit.parity.trace import TraceStage
     from oldlogit_service.model.engine import Job, Scored
+    from oldlogit_service.snapshots.yielding import Foreground
 
 logger = logging.getLogger(__name__)
 
@@ -376,6 +381,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._avg_batch_s = 0.05  # running estimate, for Retry-After
+        # Forwards first (snapshots/yielding.py): sources without one (a test's fake store, the
+        # tensor-parallel front) have no background work to pause.
+        self._foreground: Foreground | None = getattr(store, "foreground", None)
         self._compute = threading.Thread(
             target=self._compute_loop, name="oldlogit-compute", daemon=True
         )
@@ -434,6 +442,7 @@ class Scheduler:
             self._state.queues.setdefault(item.weights, deque()).append(item)
             self._state.depth += 1
             self._state.queued_tokens += item.ntokens
+            self._demand_locked()
             self._cond.notify_all()
 
     def _retry_after(self) -> float:
@@ -472,6 +481,7 @@ class Scheduler:
             self._state.queues.clear()
             self._state.depth = 0
             self._state.queued_tokens = 0
+            self._demand_locked()
             self._cond.notify_all()
         for it in pending:
             if not it.future.done():
@@ -532,12 +542,25 @@ class Scheduler:
                     return
                 self._state.held.add(weights)
                 self._state.served.discard(weights)
+                self._demand_locked()
                 self._cond.notify_all()
 
     def _has_room(self) -> bool:
         # Sources that cannot say (a test's fake store) never have room.
         room = getattr(self._store, "has_room", None)
         return bool(room()) if room is not None else False
+
+    def _demand_locked(self) -> None:
+        """Tell the foreground whether a batch is taken or can run now (queued with resident
+        weights): background work pauses for it as for a running forward."""
+        if self._foreground is None:
+            return
+        st = self._state
+        ready = st.running or any(
+            q and (not w.loads or w in st.held or self._store.resident(w.store_version))
+            for w, q in st.queues.items()
+        )
+        self._foreground.demand(ready)
 
     def _resident_locked(self) -> set[WeightsRef]:
         """Queued store versions whose weights are on the device already (held or not)."""
@@ -559,6 +582,7 @@ class Scheduler:
             items = list(self._state.queues.pop(weights, ()))
             self._state.depth -= len(items)
             self._state.queued_tokens -= sum(it.ntokens for it in items)
+            self._demand_locked()
             self._cond.notify_all()
         for it in items:
             if it.future.set_running_or_notify_cancel():
@@ -617,6 +641,7 @@ class Scheduler:
                 st.current = weights
                 if weights in st.held:
                     st.served.add(weights)
+                self._demand_locked()
                 return weights, items, pinned
 
     def _compute_loop(self) -> None:
@@ -632,6 +657,7 @@ class Scheduler:
                     self._store.unhold(weights.store_version)
                 with self._cond:
                     self._state.running = False
+                    self._demand_locked()
                     self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -666,8 +692,11 @@ class Scheduler:
         start = time.perf_counter()
         outs: list[Result] | OldLogitError = []
         stages: list[Stages | OldLogitError] = []
+        forward = self._foreground.forward() if self._foreground else contextlib.nullcontext()
         try:
-            with self._tensors(ref, len(live)) as weights:
+            # The forward() inside the pin: the store's pin takes locks background work may
+            # hold while it pauses for forwards.
+            with self._tensors(ref, len(live)) as weights, forward:
                 if scoring:
                     jobs = [it.job for it in scoring]
                     outs = _attempt(lambda: _score(self._engine, weights, jobs))

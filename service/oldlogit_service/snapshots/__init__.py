@@ -6,7 +6,9 @@ one thing: ``registry`` (durable records, ordering, watermark, leases, disk rete
 policy, rewrites), ``publish`` (ingest → verify → persist → register), ``adapters`` (adapter
 versions over a retained base; their tensors live in ``residency``'s tiers) and ``lagging``
 (the lagging model). Leaves that import nothing above them: ``ingest``, ``persist``,
-``buffers``, ``codec``, ``tiers``, ``leases``, ``records``.
+``buffers``, ``codec``, ``tiers``, ``leases``, ``records``, ``yielding`` (background work —
+loads, rebuilds, rewrites — yields to the scheduler's forwards between chunks, in bounded
+turns).
 
 May import torch, safetensors and the client's contract; nothing else of the service (it is
 the bottom layer: the model zone, the cluster and the publishing parts build on it).

@@ -20,6 +20,10 @@ import numpy as np
 import torch
 
 from oldlogit.contract.weights import DTYPE_ITEMSIZE, TensorEntry, WeightHasher
+from oldlogit_service.snapshots import yielding
+
+# Bytes hashed between two of background work's yield points (``yielding.point``): a few ms.
+HASH_CHUNK = 4 << 20
 
 __all__ = [
     "HOST_POOL",
@@ -198,7 +202,9 @@ def hash_buffer(data: memoryview | Any, layout: Iterable[TensorEntry]) -> str:
     hasher = WeightHasher()
     for e in sorted(layout, key=lambda e: e.name):
         hasher.begin(e.name, e.dtype, e.shape)
-        hasher.update(view[e.begin : e.end])
+        for lo in range(e.begin, e.end, HASH_CHUNK):  # the same bytes in order: the same hash
+            yielding.point()
+            hasher.update(view[lo : min(e.end, lo + HASH_CHUNK)])
     return hasher.hexdigest()
 
 

@@ -35,6 +35,7 @@ from oldlogit.contract.delta import (
 )
 from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
 from oldlogit.contract.weights import DTYPE_ITEMSIZE, SafetensorsHeader, TensorEntry
+from oldlogit_service.snapshots import yielding
 
 __all__ = [
     "FORMAT",
@@ -112,6 +113,7 @@ def compose(first: Patch, second: Patch) -> Patch:
     """One patch equal to applying ``first`` then ``second`` (the later value wins)."""
     out = dict(first.tensors)
     for name, b in second.tensors.items():
+        yielding.point()
         a = out.get(name)
         if a is None or b.positions is None:
             out[name] = b
@@ -165,6 +167,7 @@ def parse_patch(
         roles.setdefault(split[0], {})[split[1]] = e
     out: dict[str, TensorPatch] = {}
     for name in sorted(roles):
+        yielding.point()  # decoding yields to forwards between tensors
         dtype, shape = specs[name]
         numel = math.prod(shape)
         val, idx = roles[name].get(VAL), roles[name].get(IDX)
@@ -227,7 +230,10 @@ def rebuild(
         mine = [p.tensors[e.name] for p in patches if e.name in p.tensors]
         if not mine:
             if src is not None:
-                np.copyto(dst, src)
+                step = max(1, BLOCK_BYTES // size)
+                for lo in range(0, dst.shape[0], step):
+                    yielding.point()  # background work yields to forwards between blocks
+                    np.copyto(dst[lo : lo + step], src[lo : lo + step])
             continue
         n = dst.shape[0]
         step = max(1, BLOCK_BYTES // size)
@@ -236,6 +242,7 @@ def rebuild(
             None if t.positions is None else t.positions.searchsorted(edges).tolist() for t in mine
         ]
         for j in range(len(edges) - 1):
+            yielding.point()
             lo, hi = edges[j], edges[j + 1]
             if src is not None:
                 np.copyto(dst[lo:hi], src[lo:hi])
@@ -257,6 +264,7 @@ def undo(buf: npt.NDArray[np.uint8], layout: Iterable[TensorEntry], patch: Patch
         t = patch.tensors.get(e.name)
         if t is None:
             continue
+        yielding.point()
         now = bits_view(buf[e.begin : e.end], _itemsize(e.dtype))
         values = now.copy() if t.positions is None else now[t.positions]
         out[e.name] = TensorPatch(t.positions, values)

@@ -40,7 +40,7 @@ from oldlogit.contract.weights import (
     read_safetensors_header,
     torch_dtype,
 )
-from oldlogit_service.snapshots import buffers
+from oldlogit_service.snapshots import buffers, yielding
 from oldlogit_service.snapshots.buffers import TensorSource
 from oldlogit_service.snapshots.leases import LeaseRecord
 
@@ -342,6 +342,7 @@ def write_keyframe(
             hasher.begin(name, s.dtype, s.shape)
             pos = data_start + offsets[name]
             for chunk in s.chunks():
+                yielding.point()  # a rewrite yields to forwards between chunks
                 hasher.update(chunk)
                 _pwrite_all(fd, chunk, pos)
                 pos += memoryview(chunk).nbytes
@@ -416,6 +417,7 @@ def read_keyframe(
             f.seek(header.data_start)
             pos = 0
             while pos < header.nbytes:
+                yielding.point()  # a load yields to forwards between chunks
                 n = f.readinto(view[pos : pos + _CHUNK])
                 if not n:
                     raise CorruptSnapshot(f"{path.name} was truncated", version)

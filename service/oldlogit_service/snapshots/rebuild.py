@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,8 @@ from oldlogit_service.snapshots.registry import Registry
 from oldlogit_service.snapshots.residency import Residency, Resident
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = ["KeyframeMove", "Rebuilder", "centroid"]
 
@@ -108,6 +110,20 @@ class _Plan:
     base: persist.StoredVersion
     base_res: Resident | None
     patches: list[persist.StoredVersion]  # oldest first
+
+
+def _background(
+    fn: Callable[Concatenate[Rebuilder, P], R],
+) -> Callable[Concatenate[Rebuilder, P], R]:
+    """A rewrite (re-keying, a sweep's rewrites) runs as background work: it yields to forwards
+    between chunks (``yielding.py``; loads do already, in ``residency``)."""
+
+    @functools.wraps(fn)
+    def run(self: Rebuilder, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._residency.foreground.background():
+            return fn(self, *args, **kwargs)
+
+    return run
 
 
 class Rebuilder:
@@ -455,6 +471,7 @@ class Rebuilder:
                 best = KeyframeMove(tuple(reversed(chain)), gain)
         return best
 
+    @_background
     def rewrites_for_move(self, move: KeyframeMove) -> MovedKeyframe:
         """Write the files of ``move``: its last version as a keyframe, each one before it as
         a patch against the next (``codec.undo``), every version on the path rebuilt from the
@@ -499,6 +516,7 @@ class Rebuilder:
         return MovedKeyframe(path, records, reverse)
 
     # -- rewrites ---------------------------------------------------------------------------
+    @_background
     def rewrites_for_removal(self, remove: set[int]) -> dict[int, persist.StoredVersion]:
         """New records (files written durably) for each retained version whose parent goes:
         its patch composed with the removed ones down to the nearest kept ancestor or, when

@@ -5,8 +5,10 @@ version's weights (or an adapter version's LoRA tensors: entries like any other)
 buffer. Out: the version's tensors on the serving device, loaded once however many threads
 ask, with device bytes never above budget + one snapshot (the one being loaded). Decoded
 patches and rebuild bases live in the tier that holds CPU copies (device on CPU, host in front
-of a GPU) and compete in the same LRU, credited with what they would cost to rebuild. Never
-touches the registry, the disk layout or a patch's contents.
+of a GPU) and compete in the same LRU, credited with what they would cost to rebuild. A load
+runs as background work of ``foreground`` (``yielding.py``): on a CPU it pauses between chunks
+while a forward runs or waits, in bounded turns. Never touches the registry, the disk layout or
+a patch's contents.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from oldlogit_service.snapshots.tiers import (
     memory_victim_parts,
     patch_share,
 )
+from oldlogit_service.snapshots.yielding import Foreground
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +143,9 @@ class Residency:
         # In front of a GPU: host→device copies run on a side stream, so the compute stream
         # keeps running forwards while a version is copied in.
         self._copy_stream: Any = None
+        # Forwards first: loads (and the store's other background work) yield to them where
+        # they share the cores — on a CPU; a GPU's forwards leave the host's cores free.
+        self.foreground = Foreground(enabled=device.type == "cpu")
         if device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
@@ -255,7 +261,8 @@ class Residency:
                 start = time.perf_counter()
                 from_disk = host is None
                 if host is None:
-                    host = self._materialize(version)
+                    with self.foreground.background():
+                        host = self._materialize(version)
                 # With a host tier (a GPU), the device copy is a transfer from the host copy.
                 dev = host if self.direct else self._to_device_or_evict(host, version)
             except BaseException:

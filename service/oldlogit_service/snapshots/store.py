@@ -54,6 +54,7 @@ from oldlogit_service.snapshots.shared import (
     link_shared,
 )
 from oldlogit_service.snapshots.tiers import DISK, TierAccount
+from oldlogit_service.snapshots.yielding import Foreground
 
 logger = logging.getLogger(__name__)
 
@@ -794,6 +795,12 @@ class SnapshotStore:
     @property
     def device(self) -> torch.device:
         return self.residency.device
+
+    @property
+    def foreground(self) -> Foreground:
+        """Forwards first: the scheduler's batches run in its ``forward()``; loads, rebuilds
+        and rewrites yield to them (``yielding.py``)."""
+        return self.residency.foreground
 
     def retained_range(self) -> tuple[int, int] | None:
         return self.registry.retained_range()

@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import (
     adapters,
+    cluster_chain,
     delta_trace,
     invariant,
     models,
@@ -42,6 +43,7 @@ SUITES = {  # each runs some figures (docs/performance.md)
     "invariant": invariant,  # also part of parity; its args and smoke come with parity's
     "tp": tensor_parallel,  # invariant's models, args and smoke; TP N vs 1 servers
     "adapters": adapters,  # LoRA adapter versions: publish, mixed batches, 1,000 retained
+    "cluster": cluster_chain,  # one chain on a shared volume: bytes at 1-3 replicas, cold reads
 }
 # Suites that time a trainer-side path in this process (the patched forward against the plain
 # one, transformers' forward as a baseline): they run with the process's own C allocator.
@@ -54,8 +56,8 @@ DEFAULT = [
     "pipeline",
     "tls",
 ]  # the soak and the real-size models run for minutes, peer starts Ray, routing is for MoE
-# replay, tp for tensor parallelism, adapters builds a Qwen2.5-0.5B-shaped model: ask for them
-# by name
+# replay, tp for tensor parallelism, adapters builds a Qwen2.5-0.5B-shaped model, cluster
+# starts redis-server: ask for them by name
 
 
 def plot(figures: list[Figure], out: Path) -> None:
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     routing.add_args(p)
     tensor_parallel.add_args(p)
     adapters.add_args(p)
+    cluster_chain.add_args(p)
     shapes.add_args(p)
     args = p.parse_args(argv)
     args.figures = args.figures or list(DEFAULT)
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         routing.smoke(args)
         tensor_parallel.smoke(args)
         adapters.smoke(args)
+        cluster_chain.smoke(args)
         args.concurrent_rounds, args.versions_requests, args.latency_s = 1, 16, 1.0
         args.versions_rounds = 1
     asked = list(dict.fromkeys(args.figures))

@@ -171,7 +171,13 @@ def build_service(settings: Settings) -> Service:
         )
     )
     control: Control = cluster.bind(store) if cluster is not None else LocalControl(store)
-    if not store.versions() and store.newest is None:
+    # A replica joining a deployment that has versions takes them from it (a restarted or
+    # new one): its model directory's weights are the deployment's version 0 at most.
+    if (
+        not store.versions()
+        and store.newest is None
+        and (cluster is None or cluster.registry.newest() is None)
+    ):
         if settings.demo:
             publish_demo_versions(store, model_dir, model)
         else:

@@ -3,7 +3,8 @@ cache redis-server, one shared snapshot directory (docs/operations.md, "Scale-ou
 
 The default run starts three ``oldlogit serve`` processes and two Redis servers once for the
 module (~20 s on 2 cores): a publish read bitwise on every replica, the shared result cache,
-leases and the watermark across replicas. ``slow``: the SIGKILL and registry-outage tests,
+leases and the watermark across replicas, deltas through each replica in turn sharing one
+chain on the volume. ``slow``: the SIGKILL and registry-outage tests,
 each with a cluster of its own (~25 and ~30 s)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from oldlogit_service.model.numerics import SamplingParams
 from oldlogit_service.model.reference import reference_logprobs
 from tests.redis_server import RedisServer
 
+from .cluster_chain import inodes, volume_bytes
 from .conftest import CliServer, start_clis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -286,3 +288,49 @@ def test_registry_outage_reads_continue_publish_refused_then_reconverge(tmp_path
             assert c.logprobs([1, 2, 3], policy_version=2).versions == [2]
     finally:
         _stop(c2)
+
+
+def test_deltas_through_each_replica_share_one_chain(cluster: Cluster) -> None:
+    """Versions published as deltas through each replica in turn are one chain on the shared
+    volume (a keyframe, then patches), every replica answers each bitwise, and the volume
+    holds each file once: the replicas hold hard links (docs/delta-snapshots.md)."""
+    shared = Path(cluster.args[0][cluster.args[0].index("--snapshot-dir") + 1])
+    before = volume_bytes(shared)
+    g = torch.Generator().manual_seed(11)
+    w = _weights(cluster.base, 10)
+    last = None
+    made: dict[int, tuple[np.ndarray, str]] = {}
+    ids = list(range(20, 80))
+    for k, v in enumerate(range(10, 15)):
+        if k:  # an RL-like step: 2 % of the elements change
+            w = {
+                n: torch.where(torch.rand(t.shape, generator=g) < 0.02, t + 0.01, t)
+                for n, t in w.items()
+            }
+        with Client(cluster.grpc(k % 3), token=TOKEN) as c:
+            pub = c._aio._publisher  # one trainer's delta state, through each replica in turn
+            pub._last_published = last
+            res = c.publish(v, w, delta=True)
+            last = pub._last_published
+        ref = reference_logprobs(cluster.model, w, ids, SamplingParams())  # type: ignore[arg-type]
+        made[v] = (ref, res.weight_sha256)
+    for i in range(3):
+        with Client(cluster.grpc(i), token=TOKEN) as c:
+            for v, (ref, sha) in made.items():
+                r = c.logprobs(ids, policy_version=v, use_cache=False)
+                assert np.array_equal(r.logprobs, ref, equal_nan=True), (i, v)
+                assert r.weight_sha256[v] == sha
+            kinds = {x.policy_version: x.kind for x in c.versions()}
+            assert [kinds[v] for v in range(11, 15)] == ["patch"] * 4, kinds
+    snap = sum(t.numel() * t.element_size() for t in cluster.base.values())
+    # Version 10 is a keyframe, 11-14 patches of ~2 %: about 1.1 snapshots on the volume for
+    # five versions on three replicas (stored whole on each, 15).
+    end = time.monotonic() + 20
+    while True:  # links of versions deleted earlier go as the sweepers follow and collect
+        added = volume_bytes(shared) - before
+        linked_only = inodes(shared / "replicas") <= inodes(shared / "chain")
+        if (linked_only and added < 1.5 * snap) or time.monotonic() > end:
+            break
+        time.sleep(0.3)
+    assert linked_only
+    assert added < 1.5 * snap, (added / snap, added, snap)

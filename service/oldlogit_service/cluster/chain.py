@@ -23,7 +23,7 @@ from typing import Any
 
 from oldlogit.contract.errors import ParentMissing, Unavailable, VersionEvicted
 from oldlogit_service.cluster.redis_adapters import ParentGone, RedisMembership, RedisRegistry
-from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.snapshots import SnapshotStore, crashpoints, persist
 from oldlogit_service.snapshots.persist import CorruptSnapshot, StoredVersion
 from oldlogit_service.snapshots.shared import (
     ChainMoved,
@@ -43,6 +43,8 @@ CHAIN_DIR = "chain"  # under --snapshot-dir
 # as the holder's heartbeat is (a killed replica's: a few seconds).
 REKEY_LEASE_S = 30.0
 _ADOPT_TRIES = 4
+# A temp link older than this in the chain directory is a killed process's leftover.
+STALE_TEMP_S = 60.0
 
 
 class DeploymentChain:
@@ -112,6 +114,7 @@ class DeploymentChain:
         created = False
         try:
             link_shared(path, self.directory, name)
+            crashpoints.reached("claim", version)
             out = self.registry.register(
                 version, {**record, "sha256": sha256, "file": name, "replica": self.replica_id}
             )
@@ -309,6 +312,12 @@ class DeploymentChain:
         orphans = sorted(n for n in files if n not in keep)
         for name in orphans:
             (self.directory / name).unlink(missing_ok=True)
+        # A link's temp name left by a process killed between its two steps (microseconds).
+        stale = time.time() - STALE_TEMP_S
+        for p in self.directory.glob(f"{persist.TMP_PREFIX}*"):
+            with contextlib.suppress(FileNotFoundError):
+                if p.lstat().st_ctime < stale:
+                    p.unlink()
         if orphans:
             logger.info("collected %d chain file(s) no record needs", len(orphans))
         return orphans

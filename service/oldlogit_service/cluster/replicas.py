@@ -41,7 +41,7 @@ from oldlogit_service.cluster.redis_adapters import (
 )
 from oldlogit_service.config import is_wildcard
 from oldlogit_service.snapshots import SnapshotStore
-from oldlogit_service.snapshots.shared import SharedChain
+from oldlogit_service.snapshots.shared import ChainMoved, SharedChain
 
 logger = logging.getLogger(__name__)
 
@@ -313,8 +313,8 @@ class ClusterControl:
         try:
             with self.chain.lock:
                 self.chain.maintain()
-        except Unavailable:
-            pass
+        except (Unavailable, ChainMoved) as exc:
+            logger.info("the deployment's chain was not maintained this time: %s", exc)
         except Exception:
             logger.exception("the deployment's retention / re-keying failed; retried")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oldlogit_service.snapshots import buffers, codec, persist
+from oldlogit_service.snapshots import buffers, codec, crashpoints, persist
 from oldlogit_service.snapshots.publish import Claim
 from oldlogit_service.snapshots.rebuild import Rebuilder
 from oldlogit_service.snapshots.registry import Registry
@@ -137,6 +137,7 @@ def adopt_chain(
             if _link_in(shared, weights, sv):
                 linked.append(sv.file)
         res = _verify_steps(todo, registry, rebuilder, weights)
+        crashpoints.reached("adopt", todo[-1].version)
         with registry.persist_lock:
             for sv in todo:
                 if registry.precheck(sv.version, adopt=True) is None:

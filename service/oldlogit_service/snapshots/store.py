@@ -32,7 +32,7 @@ from oldlogit.contract.errors import (
     error_from_payload,
 )
 from oldlogit.contract.weights import read_safetensors_header
-from oldlogit_service.snapshots import buffers, codec, ingest, persist
+from oldlogit_service.snapshots import buffers, codec, crashpoints, ingest, persist
 from oldlogit_service.snapshots.adapters import Adapters, StoredAdapter
 from oldlogit_service.snapshots.lagging import LaggingModel
 from oldlogit_service.snapshots.leases import LeaseRecord
@@ -570,6 +570,7 @@ class SnapshotStore:
             for sv in replace.values():
                 link_shared(self._root / persist.WEIGHTS / sv.file, shared.directory, sv.file)
                 linked.append(sv.file)
+            crashpoints.reached("swap", min((*remove, *replace), default=-1))
             shared.swap(remove, replace, expect)
         except BaseException:
             persist.remove_files(shared.directory, linked)

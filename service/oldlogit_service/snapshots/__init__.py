@@ -6,8 +6,9 @@ one thing: ``registry`` (durable records, ordering, watermark, leases, disk rete
 policy, rewrites), ``publish`` (ingest → verify → persist → register), ``adapters`` (adapter
 versions over a retained base; their tensors live in ``residency``'s tiers) and ``lagging``
 (the lagging model), ``shared`` (scale-out: versions adopted with their chain from the
-shared volume, records following the deployment's). Leaves that import nothing above them: ``ingest``, ``persist``,
-``buffers``, ``codec``, ``tiers``, ``leases``, ``records``, ``yielding`` (background work —
+shared volume, records following the deployment's). Leaves that import nothing above them:
+``ingest``, ``persist``, ``buffers``, ``codec``, ``tiers``, ``leases``, ``records``,
+``crashpoints`` (named points where a test kills a replica), ``yielding`` (background work —
 loads, rebuilds, rewrites — yields to the scheduler's forwards between chunks, in bounded
 turns).
 

@@ -180,10 +180,11 @@ def test_decoded_patches_within_their_share_outlast_weights() -> None:
 
 
 def test_loads_keep_the_patches_they_read(tmp_path: Path) -> None:
-    """A device budget of ~2.3 versions: loads of other versions do not push out the decoded
-    patches every rebuild of the chain reads (within the patch share)."""
+    """A device budget of ~2.7 versions: loads of other versions do not push out the decoded
+    patches every rebuild of the chain reads (within the patch share; it leaves room for the
+    hottest version and one loading, test_hot_residency.py)."""
     ws = trace(8, 14, fractions=[0.02])
-    with open_store(tmp_path / "s", keyframe_every=16, device_budget_bytes=int(2.3 * SNAP)) as s:
+    with open_store(tmp_path / "s", keyframe_every=16, device_budget_bytes=int(2.7 * SNAP)) as s:
         for v, w in enumerate(ws):
             s.publish(v, w)
         for v in [7, 6, 7, 5, 7, 6, 4, 7]:

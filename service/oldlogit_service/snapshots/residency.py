@@ -35,9 +35,11 @@ from oldlogit_service.snapshots.persist import tensor_views
 from oldlogit_service.snapshots.tiers import (
     DEVICE,
     HOST,
+    PATCH_SHARE,
     MemoryCandidate,
     TierAccount,
     decayed_uses,
+    hottest,
     memory_victim_parts,
     patch_share,
 )
@@ -434,7 +436,9 @@ class Residency:
             )
             cands = self._candidates_locked(tier)
             mine = is_patch and version in patch_share(
-                [*(c for c in cands if c.part == "patch"), me], tier.budget
+                [*(c for c in cands if c.part == "patch"), me],
+                tier.budget,
+                self._share_locked(tier),
             )
             if mine:  # within the patch share: weights make room (as in eviction's order)
                 colder = [c for c in cands if not c.protected or c.keep_until < me.keep_until]
@@ -524,7 +528,9 @@ class Residency:
                     )
                 )
         if patches_here:
-            keep = patch_share((c for c in out if c.part == "patch"), tier.budget)
+            keep = patch_share(
+                (c for c in out if c.part == "patch"), tier.budget, self._share_locked(tier)
+            )
             out = [
                 dataclasses.replace(c, protected=True)
                 if c.part == "patch" and c.version in keep
@@ -532,6 +538,28 @@ class Residency:
                 for c in out
             ]
         return out
+
+    def _hot_locked(self) -> tuple[int | None, int]:
+        """The hottest device copy (``tiers.hottest``, pinned or not) and its bytes."""
+        now = self._clock()
+        cands = [
+            MemoryCandidate(
+                v, m.device.nbytes, 0.0, 0, 0.0, uses=decayed_uses(m.uses, now - m.uses_at)
+            )
+            for v, m in self._mem.items()
+            if m.device is not None
+        ]
+        hot = hottest(cands)
+        return hot, next((c.nbytes for c in cands if c.version == hot), 0)
+
+    def _share_locked(self, tier: TierAccount) -> float:
+        """The patch share of ``tier``: ``tiers.PATCH_SHARE``, less where the budget would not
+        hold the hottest version, one more loading and the share (a budget of a few versions):
+        the patches of versions asked for once each must not push out the one asked for most."""
+        hot, nbytes = self._hot_locked() if tier is self.device_tier else (None, 0)
+        if hot is None or tier.budget <= 0:
+            return PATCH_SHARE
+        return max(0.0, min(PATCH_SHARE, (tier.budget - 2 * nbytes) / tier.budget))
 
     def _drop_part_locked(self, tier: TierAccount, c: MemoryCandidate) -> None:
         m = self._mem[c.version]

@@ -21,6 +21,7 @@ __all__ = [
     "TierAccount",
     "decayed_uses",
     "disk_victims",
+    "hottest",
     "memory_victim_parts",
     "patch_share",
     "reuse_factor",
@@ -155,6 +156,22 @@ def memory_victim_parts(
 # hash, decode, 1-2 snapshot loads' worth), while the LRU credits weights by their requests:
 # without a share, loads of hot versions pushed out the patches every load then read again.
 PATCH_SHARE = 0.25
+
+
+# Recent uses (``decayed_uses``) from which the most used weights copy is the tier's hottest.
+HOT_MIN_USES = 2.0
+
+
+def hottest(candidates: Iterable[MemoryCandidate], min_uses: float = HOT_MIN_USES) -> int | None:
+    """The version whose weights copy recent requests used most (at least ``min_uses``), if
+    any. The patch share leaves room for it and one version loading: in a budget of a few
+    versions, protected patches of versions asked for once each pushed the version every
+    request asks for out, and it was loaded again."""
+    best: MemoryCandidate | None = None
+    for c in candidates:
+        if c.part == "weights" and c.uses >= min_uses and (best is None or c.uses > best.uses):
+            best = c
+    return None if best is None else best.version
 
 
 def patch_share(

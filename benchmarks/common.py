@@ -212,6 +212,32 @@ def recent_skewed_requests(rng: random.Random, requests: int, clients: int) -> d
     return per_client
 
 
+# An RL trainer's mix (benchmarks/peer.py's ``-rl`` figures): the share of requests at the
+# newest version, at the one before it, spread over the next RL_NEAR_SPAN older ones; the rest
+# at very old versions (uniform over what is older still).
+RL_NEWEST, RL_SECOND, RL_NEAR, RL_NEAR_SPAN = 0.55, 0.30, 0.10, 3
+
+
+def rl_skewed_requests(rng: random.Random, requests: int, clients: int) -> dict[int, list[int]]:
+    """``requests`` requests over VERSIONS versions as an RL trainer asks for them: most at the
+    newest two (RL_NEWEST + RL_SECOND), a few one to RL_NEAR_SPAN versions older, the rest
+    (5 %) at very old versions; dealt round robin to ``clients`` clients."""
+    newest = VERSIONS - 1
+    per_client: dict[int, list[int]] = {}
+    for i in range(requests):
+        u = rng.random()
+        if u < RL_NEWEST:
+            v = newest
+        elif u < RL_NEWEST + RL_SECOND:
+            v = newest - 1
+        elif u < RL_NEWEST + RL_SECOND + RL_NEAR:
+            v = newest - 2 - rng.randrange(RL_NEAR_SPAN)
+        else:
+            v = rng.randrange(newest - 1 - RL_NEAR_SPAN)
+        per_client.setdefault(i % clients, []).append(v)
+    return per_client
+
+
 def naive_server(
     model_dir: Path, vdir: Path, dtype: str = "float32", device: str = "cpu"
 ) -> ServerProcess:

@@ -10,6 +10,9 @@ patched-step-cost  a patched trainer step (forward + backward) ÷ the plain one:
     bf16 model, TRL's layout (left-padded prompts, right-padded completions,
     ``logits_to_keep``); patched-step-cost-05b: the same at Qwen2.5-0.5B's layer shapes
     (hidden 896, intermediate 4864, 14/2 heads, vocab 151,936, tied head; 4 layers).
+patched-step-cost-rl  the same step at an RL trainer's shape: micro-batch 8 of left-padded
+    prompts (up to 32 pad tokens of 64) and 128 completion tokens each, every completion token
+    scored, vocabulary 151,936 (Qwen2.5's), hidden 512, 4 layers, bf16 (goal <= 1.10).
     With ``--shapes qwen2.5-1.5b`` (benchmarks/shapes.py): one row per batch × tokens row of
     those shapes, forward + backward of the mean token logprob, on ``--device``, goal <= 1.10.
 invariant-vs-plain  (benchmarks/invariant.py; also ``oldlogit bench invariant`` alone).
@@ -42,8 +45,13 @@ PARTS = (
     "invariant-vs-plain",
     "packed-vs-padded",
     "patched-step-cost",
+    "patched-step-cost-rl",
     "trainer-parity-table",
 )
+# patched-step-cost-rl's shape: Qwen2.5's vocabulary; prompts of PROMPT tokens, each left-padded
+# by 0..RL_PAD_MAX; RL_COMPLETION completion tokens each, all scored.
+RL_VOCAB = 151936
+RL_PROMPT, RL_PAD_MAX, RL_COMPLETION = 64, 32, 128
 
 
 def _model_dir(root: Path, *, hidden: int, layers: int, vocab: int, dtype: str) -> Path:
@@ -188,6 +196,20 @@ def _trl_batch(vocab: int, batch: int, prompt: int, completion: int, seed: int) 
     return ids, mask
 
 
+def _rl_batch(
+    vocab: int, batch: int, prompt: int, pad_max: int, completion: int, seed: int
+) -> tuple[Any, Any]:
+    """An RL micro-batch: prompts left-padded by 0..``pad_max`` tokens, completions whole."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, prompt + completion), generator=gen)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        pad = int(torch.randint(0, pad_max + 1, (1,), generator=gen))
+        mask[b, :pad] = 0
+    mask[-1, :pad_max] = 0  # the longest padding is in every batch
+    return ids, mask
+
+
 def _shaped_step_cost(args: argparse.Namespace) -> list[Figure]:
     """patched-step-cost at ``--shapes`` on ``--device``: forward + backward of the mean token
     logprob over a batch × tokens row, patched (``trainer_numerics``) ÷ plain, interleaved
@@ -240,6 +262,28 @@ def _shaped_step_cost(args: argparse.Namespace) -> list[Figure]:
     return figures
 
 
+def _rl_step_cost(args: argparse.Namespace, root: Path) -> Figure:
+    vocab = args.trainer_rl_vocab
+    model_dir = _model_dir(
+        root / "step-rl", hidden=args.trainer_hidden, layers=4, vocab=vocab, dtype="bfloat16"
+    )
+    batch = _rl_batch(vocab, 8, RL_PROMPT, RL_PAD_MAX, RL_COMPLETION, seed=1)
+    figure = _step_cost(
+        args,
+        model_dir,
+        vocab,
+        "patched-step-cost-rl",
+        f"patched trainer forward+backward ÷ plain, an RL micro-batch (bf16, 8 × ({RL_PROMPT} "
+        f"left-padded by 0-{RL_PAD_MAX} + {RL_COMPLETION}) tokens, vocab {vocab:,}, hidden "
+        f"{args.trainer_hidden})",
+        batch=batch,
+        prompt=RL_PROMPT,
+        completion=RL_COMPLETION,
+    )
+    figure.goal = "<= 1.10"
+    return figure
+
+
 def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
     from oldlogit_service.demo.tiny import make_tiny_model_dir
 
@@ -288,15 +332,25 @@ def _trainer_step_cost(args: argparse.Namespace, root: Path) -> list[Figure]:
 
 
 def _step_cost(
-    args: argparse.Namespace, model_dir: Path, vocab: int, figure: str, name: str
+    args: argparse.Namespace,
+    model_dir: Path,
+    vocab: int,
+    figure: str,
+    name: str,
+    *,
+    batch: tuple[Any, Any] | None = None,
+    prompt: int = 64,
+    completion: int = 128,
 ) -> Figure:
+    """A trainer step (forward + backward of the completion tokens' logprobs, TRL's
+    ``logits_to_keep``) patched ÷ plain, interleaved rounds; ``batch``: (ids, mask) of
+    ``prompt`` + ``completion`` columns (default: ``_trl_batch``'s)."""
     from transformers import AutoModelForCausalLM
 
     from oldlogit.parity import token_logprobs, trainer_numerics
 
     model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
-    prompt, completion = 64, 128
-    ids, mask = _trl_batch(vocab, 8, prompt, completion, seed=1)
+    ids, mask = batch if batch is not None else _trl_batch(vocab, 8, prompt, completion, seed=1)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -330,6 +384,8 @@ def _step_cost(
             "plain_s": statistics.median(plain_s),
             "patched_s": statistics.median(patched_s),
             "ratios": ratios,
+            "pad_tokens": int((mask[:, :prompt] == 0).sum()),
+            "scored_tokens": int(mask[:, prompt:].sum()),
         },
     )
 
@@ -423,6 +479,8 @@ def run(args: argparse.Namespace) -> list[Figure]:
         figures.append(_packed_vs_padded(args, root))
     if "patched-step-cost" in parts:
         figures.extend(_trainer_step_cost(args, root))
+    if "patched-step-cost-rl" in parts and named_shapes.name(args) is None:
+        figures.append(_rl_step_cost(args, root))
     if "trainer-parity-table" in parts:
         figures.extend(_parity_table(args, root))
     return figures
@@ -461,11 +519,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=4,
         help="patched-step-cost-05b: layers at 0.5B shapes (0: off)",
     )
+    p.add_argument(
+        "--trainer-rl-vocab",
+        type=int,
+        default=RL_VOCAB,
+        help="patched-step-cost-rl: vocabulary (default Qwen2.5's)",
+    )
 
 
 def smoke(args: argparse.Namespace) -> None:
     args.parity_len, args.parity_reps, args.parity_samples, args.trainer_hidden = 16, 1, 4, 64
     args.trainer_05b_layers = 0
+    args.trainer_rl_vocab = 1024
     invariant.smoke(args)
 
 

@@ -8,12 +8,16 @@ peer-vs-naive       our throughput ÷ the naive server's (benchmarks/naive_serve
 
 The workload is versions-vs-naive's (benchmarks/throughput.py): 16 versions, requests
 Zipf-like toward the newest, ``--concurrency`` clients each sending single sequences of
-``--single-len`` tokens, one request at a time. Our server is `oldlogit serve` in its default
-mode (deterministic, invariant numerics) with a device budget of 4 versions and every version
-published before timing. The three servers run one after another, never at the same time,
-each after the same untimed warm-up (one request per client at the 4 newest versions); each
-request's latency is recorded for p50/p99. Ray Serve is an optional extra
-(``pip install 'oldlogit[peer]'``); without it the suite says so and measures ours and naive.
+``--single-len`` tokens, one request at a time. The ``-rl`` figures (peer-vs-ray-serve-rl,
+peer-vs-naive-rl) run an RL trainer's mix on the same servers: most requests at the newest two
+versions, a few very old (``benchmarks/common.py``'s ``rl_skewed_requests``),
+``--peer-rl-clients`` clients (16); ``--peer-mix`` picks the mixes. Our server is
+`oldlogit serve` in its default mode (deterministic, invariant numerics) with a device budget
+of 4 versions and every version published before timing. The three servers run one after
+another, never at the same time; each mix runs after the same untimed warm-up (one request
+per client at the 4 newest versions); each request's latency is recorded for p50/p99. Ray
+Serve is an optional extra (``pip install 'oldlogit[peer]'``); without it the suite says so
+and measures ours and naive.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from benchmarks.common import (
     naive_server,
     p50_p99_ms,
     recent_skewed_requests,
+    rl_skewed_requests,
     versions_server,
     write_versions,
 )
@@ -122,14 +127,22 @@ def run(args: argparse.Namespace) -> list[Figure]:
     versions = write_versions(base, vdir)
     rng = random.Random(0)
     conc, L = args.concurrency, args.single_len
-    singles = [[rng.randrange(args.vocab) for _ in range(L)] for _ in range(conc)]
-    per_client = recent_skewed_requests(rng, args.peer_requests, conc)
+    # Each mix: (clients, client -> the versions it asks for, in order).
+    mixes: dict[str, tuple[int, dict[int, list[int]]]] = {}
+    if args.peer_mix in ("zipf", "both"):
+        mixes["zipf"] = (conc, recent_skewed_requests(rng, args.peer_requests, conc))
+    if args.peer_mix in ("rl", "both"):
+        rl_conc = args.peer_rl_clients
+        mixes["rl"] = (rl_conc, rl_skewed_requests(rng, args.peer_requests, rl_conc))
+    most = max(n for n, _ in mixes.values())
+    singles = [[rng.randrange(args.vocab) for _ in range(L)] for _ in range(most)]
     threads = torch.get_num_threads()  # the servers' too: same machine, same environment
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, dict[str, Any]]] = {mix: {} for mix in mixes}  # mix -> server
     first: dict[str, list[float]] = {}  # each server's answer to client 0 at the newest version
 
     def measure(name: str, call: Callable[[int, int, list[int]], list[float]]) -> None:
-        results[name] = _drive(name, conc, per_client, L, lambda i, v: call(i, v, singles[i]))
+        for mix, (n, per_client) in mixes.items():
+            results[mix][name] = _drive(name, n, per_client, L, lambda i, v: call(i, v, singles[i]))
         first[name] = call(0, VERSIONS - 1, singles[0])
 
     # oldlogit: every version published before timing.
@@ -141,7 +154,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
             for v, w in enumerate(versions[1:], start=1):
                 c.publish(v, w)
         url = srv.grpc_url if args.peer_transport == "grpc" else srv.http_url
-        clients = [Client(url, timeout_s=600) for _ in range(conc)]
+        clients = [Client(url, timeout_s=600) for _ in range(most)]
         try:
 
             def ours(i: int, v: int, ids: list[int]) -> list[float]:
@@ -157,7 +170,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
 
     naive = naive_server(model_dir, vdir, dtype)
     try:
-        call, close = _http_caller(naive.http_url, conc, ray=False)
+        call, close = _http_caller(naive.http_url, most, ray=False)
         try:
             measure("naive", call)
         finally:
@@ -168,7 +181,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
     if ray_peer is not None:
         try:
             url = ray_peer.start(model_dir, vdir, dtype=dtype, threads=threads)
-            call, close = _http_caller(url, conc, ray=True)
+            call, close = _http_caller(url, most, ray=True)
             try:
                 measure("ray-serve", call)
             finally:
@@ -177,34 +190,62 @@ def run(args: argparse.Namespace) -> list[Figure]:
             ray_peer.stop()
 
     ref = torch.tensor(first["naive"])
-    for name, out in first.items():  # the same sequences scored: the servers agree
-        results[name]["max_abs_diff_vs_naive"] = float((torch.tensor(out) - ref).abs().max())
+    diffs = {  # the same sequences scored: the servers agree
+        name: float((torch.tensor(out) - ref).abs().max()) for name, out in first.items()
+    }
+    figures = []
+    for mix, (n, per_client) in mixes.items():
+        figures += _mix_figures(args, mix, n, per_client, results[mix], diffs, threads)
+    return figures
+
+
+def _mix_figures(
+    args: argparse.Namespace,
+    mix: str,
+    conc: int,
+    per_client: dict[int, list[int]],
+    results: dict[str, dict[str, Any]],
+    diffs: dict[str, float],
+    threads: int,
+) -> list[Figure]:
+    """One mix's figures: ours ÷ Ray Serve's (when it ran) and ÷ naive's."""
+    for name, r in results.items():
+        r["max_abs_diff_vs_naive"] = diffs[name]
+    asked = [v for vs in per_client.values() for v in vs]
+    newest = VERSIONS - 1
+    share_newest_two = sum(v >= newest - 1 for v in asked) / max(1, len(asked))
     printed = " · ".join(
         f"{name} {r['tokens_per_s']:,.0f} tokens/s, p50 {r['p50_ms']:.0f} ms, "
         f"p99 {r['p99_ms']:.0f} ms"
         for name, r in results.items()
     )
+    L = args.single_len
     detail: dict[str, Any] = {
         "servers": results,
+        "mix": mix,
+        "share_newest_two": share_newest_two,
+        "requests_per_version": {v: asked.count(v) for v in range(VERSIONS)},
         "clients": conc,
         "tokens_per_request": L,
         "versions": VERSIONS,
         "budget_versions": BUDGET_VERSIONS,
         "torch_threads": threads,
         "transport": args.peer_transport,
-        "printed": printed,
+        "printed": f"{100 * share_newest_two:.0f} % at the newest two: {printed}",
     }
     ours = results["oldlogit"]["tokens_per_s"]
-    shape = f"{VERSIONS} versions, budget {BUDGET_VERSIONS}, {conc} clients × {L} tokens"
+    what = "Zipf-like toward recent" if mix == "zipf" else "RL mix, most at the newest two"
+    shape = f"{VERSIONS} versions ({what}), budget {BUDGET_VERSIONS}, {conc} clients × {L} tokens"
+    suffix = "" if mix == "zipf" else "-rl"
     figures = []
     if "ray-serve" in results:
         figures.append(
             Figure(
-                "peer-vs-ray-serve",
+                f"peer-vs-ray-serve{suffix}",
                 f"{shape}: oldlogit ÷ Ray Serve multiplexing",
                 ours / results["ray-serve"]["tokens_per_s"],
                 "ratio",
-                ">= 2.5",
+                ">= 2.5" if mix == "zipf" else ">= 3",
                 detail,
             )
         )
@@ -213,7 +254,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
         detail["ray_serve"] = "not installed"
     figures.append(
         Figure(
-            "peer-vs-naive",
+            f"peer-vs-naive{suffix}",
             f"{shape}: oldlogit ÷ naive server",
             ours / results["naive"]["tokens_per_s"],
             "ratio",
@@ -234,10 +275,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
         choices=["grpc", "http"],
         help="peer-vs-*: how the clients reach oldlogit (the peers are HTTP only)",
     )
+    p.add_argument(
+        "--peer-mix",
+        default="both",
+        choices=["zipf", "rl", "both"],
+        help="peer-vs-*: the version mixes: Zipf-like toward recent (peer-vs-ray-serve, "
+        "--concurrency clients), an RL trainer's (peer-vs-ray-serve-rl, --peer-rl-clients), "
+        "or both on the same servers",
+    )
+    p.add_argument(
+        "--peer-rl-clients", type=int, default=16, help="peer-vs-*-rl: concurrent clients"
+    )
 
 
 def smoke(args: argparse.Namespace) -> None:
-    args.peer_requests = 16
+    args.peer_requests, args.peer_rl_clients = 16, 4
 
 
 if __name__ == "__main__":  # pragma: no cover

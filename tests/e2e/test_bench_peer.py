@@ -47,10 +47,14 @@ def _check_servers(detail: dict[str, Any], names: set[str]) -> None:
 def test_bench_peer_without_ray(tmp_path: Path) -> None:
     stdout, rows = _bench_peer(tmp_path, hide_ray=True)
     assert "ray[serve] is not installed: pip install 'oldlogit[peer]'" in stdout
-    assert "peer-vs-ray-serve" not in rows
-    naive = rows["peer-vs-naive"]
-    assert naive["value"] > 0 and naive["detail"]["ray_serve"] == "not installed"
-    _check_servers(naive["detail"], {"oldlogit", "naive"})
+    assert "peer-vs-ray-serve" not in rows and "peer-vs-ray-serve-rl" not in rows
+    for figure in ("peer-vs-naive", "peer-vs-naive-rl"):  # the Zipf-like mix and the RL one
+        naive = rows[figure]
+        assert naive["value"] > 0 and naive["detail"]["ray_serve"] == "not installed"
+        _check_servers(naive["detail"], {"oldlogit", "naive"})
+    rl = rows["peer-vs-naive-rl"]["detail"]
+    assert rl["mix"] == "rl" and rl["clients"] == 4
+    assert sum(rl["requests_per_version"].values()) == 16
     assert "oldlogit " in stdout and "tokens/s, p50" in stdout  # the printed line
 
 
@@ -63,5 +67,8 @@ def test_bench_peer_ray_serve(tmp_path: Path) -> None:
     ray = rows["peer-vs-ray-serve"]
     assert ray["value"] > 0 and ray["goal"] == ">= 2.5"
     _check_servers(ray["detail"], {"oldlogit", "naive", "ray-serve"})
-    assert rows["peer-vs-naive"]["value"] > 0
+    ray_rl = rows["peer-vs-ray-serve-rl"]
+    assert ray_rl["value"] > 0 and ray_rl["goal"] == ">= 3"
+    _check_servers(ray_rl["detail"], {"oldlogit", "naive", "ray-serve"})
+    assert rows["peer-vs-naive"]["value"] > 0 and rows["peer-vs-naive-rl"]["value"] > 0
     assert "ray-serve " in stdout

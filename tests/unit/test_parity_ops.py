@@ -7,9 +7,12 @@ and the grouped/batched expert kernels — whose rows are not tiled — are refu
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oldlogit.parity import token_logprobs, trainer_numerics
 from oldlogit.parity.kernels.cpu import GRAIN, blockwise
@@ -175,3 +178,51 @@ def test_one_call_pointwise_is_checked_then_used_with_several_threads():
     )
     used = min(torch.get_num_threads(), -(-x.numel() // cpu.GRAIN))
     assert cpu._one_call.get((F.silu, torch.float32, used, (), ())) is True
+
+
+class _FullSize(TorchDispatchMode):
+    """The ops that allocate a tensor of at least ``numel`` elements (views and in-place ops
+    of their inputs not counted), by name."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() >= self.numel:
+            inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            storage = out.untyped_storage().data_ptr()
+            if all(a.untyped_storage().data_ptr() != storage for a in inputs):
+                self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_the_scored_rows_backward_builds_no_full_size_zero_gradient_per_chunk(patched):
+    """A trainer's backward through token_logprobs at a large vocabulary must not pay one
+    zero-filled [rows, vocabulary] gradient per processed chunk or per sequence (a slice's
+    backward does: 17 of them for 8 × 129 rows at 64 rows a chunk, and a float32 [1032, 151936]
+    is 627 MB): the logits are cut by one split, whose backward is one concatenation."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.architectures import config
+
+    cfg = config("qwen2")
+    cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 128, 256, 2048  # [S, V] the largest
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (8, 80), generator=gen)
+    mask = torch.ones_like(ids)
+    for b in range(8):  # left-padded prompts and right-padded completions: a span per row
+        mask[b, : b * 3] = 0
+        mask[b, 80 - b * 2 :] = 0
+    keep = 70  # 8 × 71 logits rows: several PROCESS_ROWS chunks
+    with trainer_numerics(model) if patched else contextlib.nullcontext():
+        lp = token_logprobs(model, ids, mask, logits_to_keep=keep)
+        full = _FullSize(8 * (keep + 1) * model.config.vocab_size)
+        with full:
+            (lp * mask[:, -keep:]).sum().backward()
+    assert len(full.ops) <= 1, full.ops  # the concatenated gradient (the old code: 13)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

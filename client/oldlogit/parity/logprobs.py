@@ -10,6 +10,7 @@ model's own head path on the scored rows only, a bounded number at a time.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -80,9 +81,11 @@ def processed_logprobs(
         def rows_of(lg: Tensor, tg: Tensor) -> Tensor:
             return _processed_rows(lg, tg, sampling)
 
+    # One split, not a slice per step: a slice's backward is a zero-filled [S, V] gradient per
+    # step (then summed); the split's is one concatenation of the steps' gradients.
     parts = [
-        rows_of(logits_rows[s : s + step], targets[s : s + step])
-        for s in range(0, targets.shape[0], step)
+        rows_of(lg, tg)
+        for lg, tg in zip(torch.split(logits_rows, step), torch.split(targets, step), strict=True)
     ]
     if not parts:
         return logits_rows.new_empty(0, dtype=torch.float32)
@@ -305,10 +308,18 @@ def token_logprobs(
     flat_logits = logits.reshape(batch * rows, vocab)
     lp = torch.zeros(batch * rows, dtype=torch.float32, device=device)
     spans = _spans(covered)
-    for a, c in spans:
-        lp[a:c] = processed_logprobs(
-            flat_logits[a:c], targets[a:c].long(), sampling, tp_chunks=tp_chunks
+    # The logits rows cut once at the spans' edges (one split: its backward is one
+    # concatenation, where a slice per span would add a zero-filled [B * rows, V] gradient each).
+    edges = sorted({0, batch * rows, *(e for span in spans for e in span)})
+    pieces = dict(
+        zip(
+            edges[:-1],
+            torch.split(flat_logits, [b - a for a, b in itertools.pairwise(edges)]),
+            strict=True,
         )
+    )
+    for a, c in spans:
+        lp[a:c] = processed_logprobs(pieces[a], targets[a:c].long(), sampling, tp_chunks=tp_chunks)
     if not spans and flat_logits.requires_grad:
         # Nothing to score (a micro-batch of padding only, e.g. a data-parallel rank's filler):
         # zeros that still hang on the graph, so the trainer's backward runs and gives 0.

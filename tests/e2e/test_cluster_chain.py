@@ -56,11 +56,12 @@ def test_32_rl_versions_three_replicas_under_three_snapshots(tmp_path: Path) -> 
     delta_trace.add_args(p)
     args = p.parse_args([])
     args.trace_hidden, args.trace_layers, args.trace_vocab = 128, 2, 2048
+    args.trace_versions = 32  # the initial weights (version 0), then 31 steps: as the bench
     versions = delta_trace._train_versions(args, 1e-6, tmp_path / "trace")
     next(versions)  # (model dir, the initial weights): the model directory's, version 0
     c = start_cluster(tmp_path, RIDS, model_dir=tmp_path / "trace" / "model")
     try:
-        publish_in_turn(c, RIDS, (next(versions)[1] for _ in range(32)))
+        publish_in_turn(c, RIDS, (w for _, w in versions))
         c.check_bitwise()
         snap = c.snapshot_nbytes()
         held = volume_bytes(c.shared)

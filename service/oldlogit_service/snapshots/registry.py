@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from oldlogit.contract.errors import (
@@ -356,6 +356,35 @@ class Registry:
             self._newest = doc.newest
             self.disk.add(stored.disk_nbytes)
             self.publishes += 1
+
+    def commit_adopted(self, chain: Sequence[persist.StoredVersion]) -> list[int]:
+        """Record versions adopted from the deployment's chain (parents first) in one durable
+        registry write; versions held already are skipped. Call with ``persist_lock`` held.
+        Returns the versions recorded."""
+        with self._lock:
+            held = set(self._records)
+            new: list[persist.StoredVersion] = []
+            for sv in chain:
+                if sv.version in held:
+                    continue
+                if sv.kind == "patch" and sv.parent not in held:
+                    raise self._parent_gone(sv)
+                new.append(sv)
+                held.add(sv.version)
+            if not new:
+                return []
+            doc = self._doc_locked(replace={sv.version: sv for sv in new})
+            top = max(sv.version for sv in new)
+            doc.newest = top if doc.newest is None else max(doc.newest, top)
+        persist.write_registry(self.root, doc)
+        with self._lock:
+            for sv in new:
+                self._records[sv.version] = sv
+                self._last_used[sv.version] = sv.created_at
+                self.disk.add(sv.disk_nbytes)
+            self._newest = doc.newest
+            self.publishes += len(new)
+        return [sv.version for sv in new]
 
     def _parent_gone(self, stored: persist.StoredVersion) -> ParentMissing:
         rng = self._range_locked()

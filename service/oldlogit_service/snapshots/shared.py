@@ -78,8 +78,9 @@ class ChainMoved(Exception):
     they were read. Read them again and retry."""
 
 
-def link_shared(src: Path, directory: Path, name: str) -> Path:
-    """A durable link of ``src`` as ``directory/name`` (kept if it is there already)."""
+def link_shared(src: Path, directory: Path, name: str, *, durable: bool = True) -> Path:
+    """A link of ``src`` as ``directory/name`` (kept if it is there already); ``durable``:
+    the directory synced (else the caller syncs it once for several links)."""
     dst = directory / name
     tmp = persist.temp_path(directory)
     try:
@@ -87,16 +88,18 @@ def link_shared(src: Path, directory: Path, name: str) -> Path:
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
-    persist.fsync_dir(directory)
+    if durable:
+        persist.fsync_dir(directory)
     return dst
 
 
 def _link_in(shared: Path, weights: Path, sv: persist.StoredVersion) -> bool:
-    """Link a shared chain file into this store; True if it was linked now (False: there)."""
+    """Link a shared chain file into this store (the caller syncs the directory); True if
+    it was linked now (False: there)."""
     if (weights / sv.file).exists():
         return False
     try:
-        link_shared(shared / sv.file, weights, sv.file)
+        link_shared(shared / sv.file, weights, sv.file, durable=False)
     except FileNotFoundError as exc:
         raise ChainMoved(
             f"{sv.file} (version {sv.version}) is gone from the shared volume"
@@ -136,12 +139,12 @@ def adopt_chain(
         for sv in todo:
             if _link_in(shared, weights, sv):
                 linked.append(sv.file)
+        persist.fsync_dir(weights)  # the links durable before any record names them
         res = _verify_steps(todo, registry, rebuilder, weights)
         crashpoints.reached("adopt", todo[-1].version)
         with registry.persist_lock:
+            registry.commit_adopted(todo)  # one registry write for the whole chain
             for sv in todo:
-                if registry.precheck(sv.version, adopt=True) is None:
-                    registry.commit(sv, adopt=True)
                 rebuilder.mark_verified(sv)
         linked = []
     finally:
@@ -241,6 +244,8 @@ def follow_records(
             for sv in switch.values():
                 if _link_in(shared, weights, sv):
                     linked.append(sv.file)
+            if linked:
+                persist.fsync_dir(weights)
             old = registry.remove(gone, replace=switch, evicted=True)
             linked = []
         finally:

@@ -21,7 +21,7 @@ import torch
 from oldlogit.contract.errors import VersionEvicted
 from oldlogit_service.cluster.chain import CHAIN_DIR
 from oldlogit_service.cluster.replicas import ClusterControl
-from oldlogit_service.snapshots import SnapshotStore
+from oldlogit_service.snapshots import SnapshotStore, persist
 from tests.redis_server import RedisServer
 from tests.unit.test_store_delta import SNAP, SPECS, trace
 
@@ -245,9 +245,24 @@ def test_files_of_a_killed_claim_are_collected_once_its_replica_is_gone(
         live = shared / CHAIN_DIR / "v000000000002.feedbeef0000.patch"
         live.write_bytes(b"y" * 100)
         a.control.registry.pending(live.name, "a")  # in flight on a live replica: kept
-        with a.control.chain.lease() as held:
-            assert held
-            assert a.control.chain.collect() == [orphan.name]
+        # A departed replica's directory (a pod replaced under a new id): its links would
+        # hold bytes; one whose lock a process holds is not departed, whatever Redis says.
+        kf = a.store.registry.get(0).file
+        for rid in ("departed", "locked"):
+            (shared / "replicas" / rid / "weights").mkdir(parents=True)
+            (shared / "replicas" / rid / "registry.json").write_text("{}")
+            os.link(shared / CHAIN_DIR / kf, shared / "replicas" / rid / "weights" / kf)
+        holder = persist.lock_root(shared / "replicas" / "locked")
+        a.control.chain.departed_after_s = 0.0
+        try:
+            with a.control.chain.lease() as held:
+                assert held
+                assert a.control.chain.collect() == [orphan.name]
+        finally:
+            holder.close()
         assert live.exists() and not orphan.exists()
+        assert not (shared / "replicas" / "departed").exists()
+        assert (shared / "replicas" / "locked" / "weights" / kf).exists()
+        assert (shared / "replicas" / "a" / "weights" / kf).exists()
     finally:
         stop(a)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +44,9 @@ CHAIN_DIR = "chain"  # under --snapshot-dir
 # as the holder's heartbeat is (a killed replica's: a few seconds).
 REKEY_LEASE_S = 30.0
 _ADOPT_TRIES = 4
+# A replica silent this long (no heartbeat, its directory's lock free, its registry file not
+# written) has departed: its store directory goes (``collect``).
+DEPARTED_AFTER_S = 600.0
 # A temp link older than this in the chain directory is a killed process's leftover.
 STALE_TEMP_S = 60.0
 
@@ -66,6 +70,7 @@ class DeploymentChain:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._pinned = pinned
         self._store: SnapshotStore | None = None
+        self.departed_after_s = DEPARTED_AFTER_S
         # Adoption, following and rewriting here, one at a time (re-entrant: a rewrite adopts).
         self.lock = threading.RLock()
 
@@ -320,7 +325,33 @@ class DeploymentChain:
                     p.unlink()
         if orphans:
             logger.info("collected %d chain file(s) no record needs", len(orphans))
+        self._collect_departed(live)
         return orphans
+
+    def _collect_departed(self, live: set[str]) -> None:
+        """Remove the store directory of a replica gone for ``departed_after_s`` (no heartbeat,
+        its lock free, its registry file untouched that long: a pod replaced under a new id):
+        its links would keep bytes of files the chain dropped. Should it come back, it starts
+        empty and adopts what it needs again."""
+        replicas = self.directory.parent / "replicas"
+        cutoff = time.time() - self.departed_after_s
+        with contextlib.suppress(FileNotFoundError):
+            for d in replicas.iterdir():
+                if d.name in live or d.name == self.replica_id or not d.is_dir():
+                    continue
+                reg = d / persist.REGISTRY
+                with contextlib.suppress(FileNotFoundError):
+                    if reg.stat().st_mtime > cutoff:
+                        continue
+                try:
+                    lock = persist.lock_root(d)
+                except (BlockingIOError, OSError):
+                    continue  # a process has it open: not departed
+                try:
+                    shutil.rmtree(d, ignore_errors=True)
+                finally:
+                    lock.close()
+                logger.info("removed the store directory of departed replica %s", d.name)
 
 
 def _record(version: int, rec: dict[str, Any]) -> StoredVersion:

@@ -36,7 +36,12 @@ from benchmarks.common import Figure
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster (one chain on a shared volume)")
     g.add_argument("--cluster-replicas", default="1,2,3", help="replica counts measured")
-    g.add_argument("--cluster-versions", type=int, default=32, help="versions published")
+    g.add_argument(
+        "--cluster-versions",
+        type=int,
+        default=32,
+        help="versions published (the initial weights, then the steps: as bench delta)",
+    )
     g.add_argument("--cluster-samples", type=int, default=6, help="cold first reads timed")
 
 
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> list[Figure]:
     from oldlogit_service.model.loaded import load_model
 
     root = Path(tempfile.mkdtemp(prefix="oldlogit-cluster-"))
-    args.trace_versions = args.cluster_versions + 1  # the initial weights, then the steps
+    args.trace_versions = args.cluster_versions  # the initial weights, then the steps
     trace = list(delta_trace._train_versions(args, 1e-6, root / "trace"))
     model_dir = trace[0][0]
     versions = [w for _, w in trace]

@@ -12,6 +12,7 @@ import pytest
 from oldlogit.contract import errors
 from oldlogit_service.cluster.redis_adapters import (
     EventListener,
+    ParentGone,
     RedisLeases,
     RedisMembership,
     RedisRegistry,
@@ -45,6 +46,41 @@ def test_registry_one_winner_idempotence_and_order(redis_server: Any) -> None:
     assert reg.raise_watermark(2) == 2
     assert reg.raise_watermark(1) == 2  # only moves up
     assert reg.watermark() == 2
+
+
+def test_chain_claims_swaps_and_the_rekey_lease(redis_server: Any) -> None:
+    """A patch is claimed only while its parent is retained; a chain rewrite is swapped in
+    only by the lease's holder, over the records it was computed from, and never leaves a
+    retained record without its parent; the lease is free once its holder's heartbeat is."""
+    client = connect(redis_server.url)
+    reg = RedisRegistry(client, "chain")
+    members = RedisMembership(client, "chain", ttl_s=0.5)
+    prefix = "oldlogit:chain:member:"
+
+    def patch(sha: str, parent: int, file: str) -> dict[str, Any]:
+        return {"sha256": sha, "kind": "patch", "parent": parent, "nbytes": 10, "file": file}
+
+    assert reg.register(1, {**rec("a"), "file": "k1"}).outcome == "created"
+    reg.pending("p2", "r0")
+    assert reg.register(2, patch("b", 1, "p2")).outcome == "created"
+    assert reg.chain_state()[1] == {}  # the claim withdrew its announcement
+    assert reg.register(3, patch("c", 2, "p3")).outcome == "created"
+    members.beat("r0", {})
+    assert reg.take_rekey_lease("r0", prefix, 30)
+    assert not reg.take_rekey_lease("r1", prefix, 30)  # held by a live replica
+    # Removing 2 without rewriting 3 would break 3's chain: refused.
+    assert reg.swap("r0", [2], {}, {2: "p2"}) == "dependent"
+    assert reg.swap("r0", [2], {3: patch("c", 1, "p3b")}, {2: "p2", 3: "p2"}) == "changed"
+    assert reg.swap("r1", [2], {3: patch("c", 1, "p3b")}, {2: "p2", 3: "p3"}) == "lease_lost"
+    assert reg.swap("r0", [2], {3: patch("c", 1, "p3b")}, {2: "p2", 3: "p3"}) == "ok"
+    assert reg.get(2) is None and reg.is_gone(2) and reg.get(3)["file"] == "p3b"
+    with pytest.raises(ParentGone):
+        reg.register(4, patch("d", 2, "p4"))  # its parent was removed meanwhile
+    # Damaged: 1 goes with everything rebuilt through it.
+    assert reg.forget_tree([1]) == [1, 3]
+    assert reg.all() == {}
+    members.leave("r0")  # its heartbeat gone: the lease is void
+    assert reg.take_rekey_lease("r1", prefix, 30)
 
 
 def test_concurrent_publishers_of_one_version_never_disagree(redis_server: Any) -> None:

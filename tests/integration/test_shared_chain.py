@@ -109,7 +109,7 @@ def publish_round_robin(rs: list[Replica], versions: list[dict[str, torch.Tensor
 
 
 def test_one_chain_every_replica_bitwise_volume_holds_one_chain(
-    tmp_path: Path, three: list[Replica]
+    tmp_path: Path, redis: RedisServer, three: list[Replica]
 ) -> None:
     versions = trace(8, seed=3, fractions=[0.003, 0.02])
     publish_round_robin(three, versions)
@@ -126,6 +126,14 @@ def test_one_chain_every_replica_bitwise_volume_holds_one_chain(
     shared = {v: sv.file for v, sv in three[0].control.chain.records().items()}
     for r in three:
         assert {v: sv.file for v, sv in r.store.registry.records().items()} == shared
+    # A replica started later adopts the whole retained history, and adds no bytes.
+    late = start(tmp_path / "shared", redis.url, "late")
+    try:
+        for v, w in enumerate(versions):
+            assert same(serve(late, v), w), ("late", v)
+    finally:
+        stop(late)
+    assert volume_bytes(tmp_path / "shared") == chain_bytes
 
 
 def test_delete_a_keyframe_rekeys_once_and_the_others_follow(

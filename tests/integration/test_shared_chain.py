@@ -274,3 +274,38 @@ def test_files_of_a_killed_claim_are_collected_once_its_replica_is_gone(
         assert (shared / "replicas" / "a" / "weights" / kf).exists()
     finally:
         stop(a)
+
+
+def test_versions_stored_whole_before_the_chain_are_moved_onto_it(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """A deployment upgraded in place: records naming a replica's own file (every version
+    whole, as before the chain) are moved onto the chain by the lease's holder and served."""
+    shared = tmp_path / "shared"
+    w = trace(2, seed=9, fractions=[0.02])
+    old = SnapshotStore(
+        shared / "replicas" / "old",
+        param_specs=SPECS,
+        device="cpu",
+        device_budget_bytes=4 * SNAP,
+        host_budget_bytes=0,
+        disk_budget_bytes=1000 * SNAP,
+        max_versions=1000,
+    )
+    out = old.publish(0, w[0])
+    path = shared / "replicas" / "old" / "weights" / old.registry.get(0).file
+    old.close()
+    a = start(shared, redis.url, "a")
+    b = start(shared, redis.url, "b")
+    try:
+        legacy = {"sha256": out.sha256, "kind": "keyframe", "parent": None, "nbytes": SNAP}
+        a.control.registry.register(0, {**legacy, "file": str(path), "replica": "old"})
+        a.control.chain.maintain()
+        assert a.control.chain.records()[0].file == path.name
+        assert same(serve(b, 0), w[0])
+        b.store.publish(1, w[1])  # the chain goes on from it
+        assert b.control.chain.records()[1].kind == "patch"
+        assert same(serve(a, 1), w[1])
+    finally:
+        stop(a)
+        stop(b)

@@ -95,8 +95,36 @@ class DeploymentChain:
 
     # -- records ---------------------------------------------------------------------------
     def records(self) -> dict[int, StoredVersion]:
-        """Every version the deployment retains, as chain records."""
-        return {v: _record(v, rec) for v, rec in self.registry.all().items()}
+        """Every version the deployment retains, as chain records (a record written before
+        the chain, naming a replica's own file, counts once ``migrate`` has moved it)."""
+        out: dict[int, StoredVersion] = {}
+        for v, rec in self.registry.all().items():
+            try:
+                out[v] = _record(v, rec)
+            except CorruptSnapshot as exc:
+                logger.debug("version %d's record is not a chain record (yet): %s", v, exc)
+        return out
+
+    def migrate(self) -> list[int]:
+        """Records written before the deployment had one chain (every version whole, its
+        ``file`` a path into the publishing replica's store) moved onto the chain: the file
+        linked into the chain directory, the record swapped. Call with the lease."""
+        moved: list[int] = []
+        for v, rec in self.registry.all().items():
+            path = Path(str(rec.get("file", "")))
+            if not path.is_absolute() or rec.get("kind", "keyframe") != "keyframe":
+                continue
+            try:
+                link_shared(path, self.directory, path.name)
+            except FileNotFoundError:
+                logger.warning("version %d's file %s is gone: not moved onto the chain", v, path)
+                continue
+            new = {**rec, "file": path.name, "created_at": rec.get("created_at", time.time())}
+            if self.registry.swap(self.replica_id, [], {v: new}, {v: str(path)}) == "ok":
+                moved.append(v)
+        if moved:
+            logger.info("moved versions %s, stored before the chain, onto it", moved)
+        return moved
 
     @staticmethod
     def chain_of(version: int, records: Mapping[int, StoredVersion]) -> list[StoredVersion]:
@@ -254,6 +282,7 @@ class DeploymentChain:
         with self.lease() as held:
             if not held:
                 return
+            self.migrate()
             self.follow()
             self.retain()
             if self.store.keyframes_follow_access and self.take_lease():

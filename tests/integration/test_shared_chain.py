@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from oldlogit.contract.errors import VersionEvicted
+from oldlogit.contract.errors import ParentMissing, VersionEvicted
 from oldlogit_service.cluster.chain import CHAIN_DIR
 from oldlogit_service.cluster.replicas import ClusterControl
 from oldlogit_service.snapshots import SnapshotStore, persist
@@ -309,3 +309,34 @@ def test_versions_stored_whole_before_the_chain_are_moved_onto_it(
     finally:
         stop(a)
         stop(b)
+
+
+def test_a_patch_whose_parent_went_before_its_claim_is_stored_whole(tmp_path: Path) -> None:
+    """The claim refuses a patch whose parent the deployment removed meanwhile: the publish
+    stores the (checked) weights whole instead of failing."""
+    refused: list[int] = []
+
+    def claim(version: int, sha: str, path: Path, record: dict[str, Any]) -> bool:
+        if record["kind"] == "patch":
+            refused.append(version)
+            raise ParentMissing(f"parent of {version} gone", parameter="parent")
+        return True
+
+    w = trace(2, seed=10, fractions=[0.02])
+    with SnapshotStore(
+        tmp_path / "s",
+        param_specs=SPECS,
+        device="cpu",
+        device_budget_bytes=4 * SNAP,
+        host_budget_bytes=0,
+        disk_budget_bytes=1000 * SNAP,
+        max_versions=1000,
+        keyframe_every=16,
+        claim=claim,
+    ) as s:
+        s.publish(0, w[0])
+        out = s.publish(1, w[1])
+        assert refused == [1] and out.created and out.kind == "keyframe"
+        with s.acquire(1) as t:
+            assert same(dict(t), w[1])
+        assert len(list((tmp_path / "s" / "weights").iterdir())) == 2  # no patch file left

@@ -25,6 +25,7 @@ from oldlogit.contract.errors import (
     InvalidRequest,
     NotFound,
     OutOfMemory,
+    ParentMissing,
     VersionConflict,
     VersionEvicted,
     WeightsMismatch,
@@ -318,7 +319,16 @@ class Publisher:
         except OSError as exc:
             _raise_if_disk_full(exc)
             raise
-        return self._commit(stored, res=res, patch=patch if stored.kind == "patch" else None)
+        if stored.kind != "patch":
+            return self._commit(stored, res=res)
+        try:
+            return self._commit(stored, res=res, patch=patch)
+        except ParentMissing:
+            # Its parent went meanwhile (a removal here, or on the shared chain another
+            # replica's): the weights are in hand and checked, so store them whole instead.
+            logger.info("version %d: its parent %s went meanwhile; stored whole", version, parent)
+            whole = self._rebuilder.write_keyframe(version, res, sha, self._clock())
+            return self._commit(whole, res=res)
 
     # -- visibility -------------------------------------------------------------------------
     def _commit(

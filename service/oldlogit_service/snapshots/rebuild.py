@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -320,6 +320,21 @@ class Rebuilder:
         self.mark_verified(sv)
         return sv
 
+    def apply_checked(
+        self, data: Any, layout: Sequence[Any], sv: persist.StoredVersion, source: str
+    ) -> None:
+        """``sv``'s patch file (its hash checked) applied in place to ``data``, the bytes of
+        the version it is a patch against; the result must hash to ``sv.sha256`` (``source``
+        says where the chain came from, for the error)."""
+        codec.rebuild(data, layout, [self.read_patch(sv)])
+        got = buffers.hash_buffer(data, layout)
+        if got != sv.sha256:
+            raise persist.CorruptSnapshot(
+                f"version {sv.version} rebuilt from {source} hashes to {got}, its record "
+                f"says {sv.sha256}",
+                sv.version,
+            )
+
     @staticmethod
     def patch_nbytes(patch: codec.Patch) -> int:
         """About what the patch file holds (values + coded positions)."""
@@ -501,14 +516,7 @@ class Rebuilder:
                 written.append(sv.file)
                 records[x.version] = sv
                 # What a rebuild will read: the file, applied to the version after it.
-                codec.rebuild(buf, layout, [self.read_patch(sv)])  # buf: y -> x
-                got = buffers.hash_buffer(buf, layout)
-                if got != x.sha256:
-                    raise persist.CorruptSnapshot(
-                        f"version {x.version} rebuilt from its moved keyframe {top.version} "
-                        f"hashes to {got}, the registry says {x.sha256}",
-                        x.version,
-                    )
+                self.apply_checked(buf, layout, sv, f"its moved keyframe {top.version}")
         except BaseException:
             persist.remove_files(self._dir, written)
             raise

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oldlogit_service.snapshots import buffers, codec, crashpoints, persist
+from oldlogit_service.snapshots import buffers, crashpoints, persist
 from oldlogit_service.snapshots.publish import Claim
 from oldlogit_service.snapshots.rebuild import Rebuilder
 from oldlogit_service.snapshots.registry import Registry
@@ -181,15 +181,7 @@ def _verify_steps(
             raise persist.CorruptSnapshot(
                 f"version {sv.version}: a keyframe inside a chain's records", sv.version
             )
-        patch = rebuilder.read_patch(sv)  # its file's hash checked
-        codec.rebuild(data, layout, [patch])
-        got = buffers.hash_buffer(data, layout)
-        if got != sv.sha256:
-            raise persist.CorruptSnapshot(
-                f"version {sv.version} rebuilt from the shared chain hashes to {got}, the "
-                f"deployment's record says {sv.sha256}",
-                sv.version,
-            )
+        rebuilder.apply_checked(data, layout, sv, "the shared chain")
     return Resident(buf, layout, persist.tensor_views(buf, layout), buf.numel())
 
 

@@ -81,6 +81,22 @@ class _StateCollector(Collector):
             value=st.load_seconds,
         )
         yield CounterMetricFamily(
+            "oldlogit_background_paused_seconds",
+            "Seconds background work (loads, rebuilds, re-keying, sweeps) paused for forwards "
+            "sharing the CPU cores",
+            value=st.background_paused_s,
+        )
+        yield CounterMetricFamily(
+            "oldlogit_background_turns",
+            "Turns background work ran while forwards waited (it had paused its maximum)",
+            value=st.background_turns,
+        )
+        yield CounterMetricFamily(
+            "oldlogit_forward_turn_wait_seconds",
+            "Seconds forwards waited for background turns",
+            value=st.forward_turn_wait_s,
+        )
+        yield CounterMetricFamily(
             "oldlogit_rebuilds", "Versions rebuilt from a base plus patches", value=st.rebuilds
         )
         yield CounterMetricFamily(

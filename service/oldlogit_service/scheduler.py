@@ -144,6 +144,12 @@ class WeightsSource(Protocol):
         """A load now would evict nothing (the device budget has a version's room free)."""
         ...
 
+    def cold_room(self) -> tuple[int, frozenset[int]] | None:
+        """(How many versions' weights the device budget holds beside the hot versions' copies,
+        the hot versions): what the load stage may hold at once without pushing out a
+        version most requests ask for. None: the source cannot say (no bound)."""
+        ...
+
     def acquire(
         self, version: int, uses: int = 1
     ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
@@ -365,7 +371,10 @@ class Scheduler:
     ) -> None:
         """``prefetch``: versions the load stage may hold for queued work at once (the batch
         running and the next ones) when loading another would evict something; while the
-        store ``has_room`` it holds one more (bounded by the device budget itself).
+        store ``has_room`` it holds one more (bounded by the device budget itself). Versions
+        that are not hot (the store's ``cold_room``) it holds no more of than fit beside the
+        hot ones with the one loading: a queue over old versions waits its turn rather than
+        pushing out the versions most requests ask for.
         ``strategy="lagging"``: batches in version order, weights from the store's lagging
         model, loaded by the compute stage itself (it advances in place)."""
         self._engine = engine
@@ -509,6 +518,7 @@ class Scheduler:
                     self._release_idle_locked()
                     # Free room in the budget: bring the next waited-for version in now.
                     limit = max(self._prefetch, len(st.held) + 1 if self._has_room() else 0)
+                    limit = self._cold_limit(limit)
                     weights, victim = pick_load(
                         st.loadable(),  # type: ignore[arg-type]  # mypy widens K by the return's None
                         held=st.held,
@@ -544,6 +554,17 @@ class Scheduler:
                 self._state.served.discard(weights)
                 self._demand_locked()
                 self._cond.notify_all()
+
+    def _cold_limit(self, limit: int) -> int:
+        """``limit`` on held versions, less where holding that many versions that are not hot
+        would leave no room for the hot ones beside the version loading (``cold_room``)."""
+        room = getattr(self._store, "cold_room", None)
+        said: tuple[int, frozenset[int]] | None = room() if room is not None else None
+        if said is None:
+            return limit
+        slots, hot = said
+        held_hot = sum(1 for w in self._state.held if w.store_version in hot)
+        return min(limit, held_hot + max(1, slots - 1))
 
     def _has_room(self) -> bool:
         # Sources that cannot say (a test's fake store) never have room.

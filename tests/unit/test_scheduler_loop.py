@@ -474,3 +474,58 @@ def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room
     finally:
         engine.gate.set()
         sched.close()
+
+
+class ColdRoomStore(FakeStore):
+    """A store that says how many versions fit beside its hot ones (``cold_room``)."""
+
+    def __init__(self, room: tuple[int, frozenset[int]] | None) -> None:
+        super().__init__()
+        self.room = room
+
+    def cold_room(self) -> tuple[int, frozenset[int]] | None:
+        return self.room
+
+
+@pytest.mark.parametrize(
+    ("room", "want"),
+    [
+        (None, [1, 2, 3]),  # the source cannot say: prefetch alone bounds the load stage
+        ((2, frozenset({7})), [1]),  # room for two beside the hot 7: one held + one loading
+        ((3, frozenset({7})), [1, 2]),
+        ((2, frozenset({1})), [1, 2]),  # 1 is hot itself: it does not take a cold slot
+    ],
+)
+def test_the_loader_holds_no_more_cold_versions_than_fit_beside_the_hot_ones(
+    room: tuple[int, frozenset[int]] | None, want: list[int]
+) -> None:
+    """A batch computes on version 1; versions 2 and 3 wait. The load stage holds at most
+    ``prefetch`` (3) versions, and of the versions that are not hot no more than fit beside
+    the hot ones with one loading: the others wait rather than push a hot version out."""
+    engine = FakeEngine()
+    store = ColdRoomStore(room)
+    sched = Scheduler(
+        engine,  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
+        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0, max_switch_delay_s=60.0),
+        max_queue=100,
+        prefetch=3,
+    )
+    try:
+        engine.gate.clear()  # the batch on version 1 stays in the engine
+        first = sched.submit(WeightsRef.stored(1), job(0))
+        end = time.monotonic() + 5
+        while 1 not in store.held and time.monotonic() < end:
+            time.sleep(0.005)
+        waiting = [sched.submit(WeightsRef.stored(v), job(v)) for v in (2, 3)]
+        end = time.monotonic() + 10
+        while sorted(store.held) != want and time.monotonic() < end:
+            time.sleep(0.005)
+        time.sleep(0.2)  # and no more than that meanwhile
+        assert sorted(store.held) == want
+        engine.gate.set()
+        assert first.result(5).tolist()[0] == 1000.0
+        assert [f.result(5).tolist()[0] for f in waiting] == [2002.0, 3003.0]
+    finally:
+        engine.gate.set()
+        sched.close()

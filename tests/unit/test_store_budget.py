@@ -239,7 +239,9 @@ def test_a_stream_of_once_used_versions_does_not_push_out_the_one_in_constant_us
                 pass
             assert s.resident(hot), cold
             assert s.resident(cold)
-        clock.advance(10.0)  # nobody asks for the hot version any more
+        # Nobody asks for the hot version any more: four half-lives on, its recent uses are
+        # below tiers.HOT_MIN_USES and it goes like any other copy.
+        clock.advance(20.0)
         for cold in (3, 4):
             with s.acquire(cold):
                 pass
@@ -274,6 +276,33 @@ def test_a_load_makes_room_from_versions_no_queued_work_needs(tmp_path: Path) ->
         s.hold(3)  # nothing said wanted: plain recency (0, the least recent, goes)
         s.unhold(3)
         assert not s.resident(0) and s.resident(3)
+
+
+def test_a_load_for_an_old_version_keeps_the_hot_versions_over_wanted_ones(tmp_path: Path) -> None:
+    # An RL trainer's clients ask mostly for the newest two versions; with many of them, those
+    # two often have nothing queued at the moment a load for an old version makes room, while
+    # another old version's requests wait. Dropping a hot version would stall every client that
+    # asks for it next; the old one's few requests wait for one load (tiers.hot_versions).
+    clock = FakeClock()
+    with open_store(tmp_path, clock=clock, device_budget_bytes=3 * SNAP) as s:
+        for v in range(5):
+            s.publish(v, make_sd(v))
+        for _ in range(6):
+            for v in (4, 3):
+                clock.advance(0.01)
+                with s.acquire(v):
+                    pass
+        clock.advance(0.01)
+        with s.acquire(1):  # an old version, asked for once
+            pass
+        assert all(s.resident(v) for v in (1, 3, 4))
+        assert s.cold_room() == (1, frozenset({3, 4}))  # one version fits beside the hot two
+        clock.advance(0.01)
+        s.hold(2, wanted={1, 2})  # 1 has queued work; the hot 3 and 4 have none right now
+        try:
+            assert s.resident(2) and s.resident(3) and s.resident(4) and not s.resident(1)
+        finally:
+            s.unhold(2)
 
 
 def test_pin_resident_pins_only_a_device_copy_there_now_and_loads_nothing(tmp_path: Path) -> None:

@@ -224,6 +224,9 @@ class Front:
     def has_room(self) -> bool:
         return self.store.has_room()
 
+    def cold_room(self) -> tuple[int, frozenset[int]]:
+        return self.store.cold_room()
+
     @contextlib.contextmanager
     def acquire(self, version: int, uses: int = 1) -> Iterator[Mapping[str, Tensor]]:
         self.health.check()

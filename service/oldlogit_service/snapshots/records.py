@@ -80,3 +80,8 @@ class StoreStats:
     rebuilds: int  # versions built from a base plus patches
     patches_applied: int
     lagging: LaggingStats
+    # Hot traffic first (snapshots/yielding.py; on a CPU): seconds background work paused for
+    # forwards, the turns it took while forwards waited, and the seconds forwards waited.
+    background_paused_s: float = 0.0
+    background_turns: int = 0
+    forward_turn_wait_s: float = 0.0

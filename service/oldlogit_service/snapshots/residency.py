@@ -39,6 +39,7 @@ from oldlogit_service.snapshots.tiers import (
     MemoryCandidate,
     TierAccount,
     decayed_uses,
+    hot_versions,
     hottest,
     memory_victim_parts,
     patch_share,
@@ -497,6 +498,7 @@ class Residency:
         out: list[MemoryCandidate] = []
         now = self._clock()
         patches_here = tier is self.cpu_tier
+        hot = hot_versions(self._uses_locked(now)) if tier is self.device_tier else set()
         for v, m in self._mem.items():
             if tier is self.device_tier and m.device is not None and m.pins == 0:
                 cost = 0.0 if m.host is not None else self._rebuild_cost(v)
@@ -509,6 +511,7 @@ class Residency:
                         cost,
                         uses=decayed_uses(m.uses, now - m.uses_at),
                         wanted=v in self._wanted,
+                        hot=v in hot,
                     )
                 )
             if tier is self.host_tier and m.host is not None:
@@ -539,16 +542,24 @@ class Residency:
             ]
         return out
 
-    def _hot_locked(self) -> tuple[int | None, int]:
-        """The hottest device copy (``tiers.hottest``, pinned or not) and its bytes."""
-        now = self._clock()
-        cands = [
+    def _uses_locked(self, now: float) -> list[MemoryCandidate]:
+        """Every version's recent uses (resident or not: a use count outlives its copy), with
+        the bytes of its device copy (0: none): what ``hottest`` and ``hot_versions`` read."""
+        return [
             MemoryCandidate(
-                v, m.device.nbytes, 0.0, 0, 0.0, uses=decayed_uses(m.uses, now - m.uses_at)
+                v,
+                0 if m.device is None else m.device.nbytes,
+                0.0,
+                0,
+                0.0,
+                uses=decayed_uses(m.uses, now - m.uses_at),
             )
             for v, m in self._mem.items()
-            if m.device is not None
         ]
+
+    def _hot_locked(self) -> tuple[int | None, int]:
+        """The hottest device copy (``tiers.hottest``, pinned or not) and its bytes."""
+        cands = [c for c in self._uses_locked(self._clock()) if c.nbytes]
         hot = hottest(cands)
         return hot, next((c.nbytes for c in cands if c.version == hot), 0)
 
@@ -612,6 +623,19 @@ class Residency:
             if m is None:
                 return frozenset()
             return frozenset(t for t, r in ((DEVICE, m.device), (HOST, m.host)) if r is not None)
+
+    def cold_room(self, nbytes: int) -> tuple[int, frozenset[int]]:
+        """(How many copies of ``nbytes`` the device budget holds beside the hot versions'
+        device copies and the decoded patches in it, the hot versions: ``tiers.hot_versions``
+        over every version's recent uses)."""
+        with self._lock:
+            hot = hot_versions(self._uses_locked(self._clock()))
+            taken = sum(
+                m.device.nbytes for v, m in self._mem.items() if v in hot and m.device is not None
+            )
+            taken += sum(m.patch.nbytes for m in self._mem.values() if m.patch is not None)
+            free = self.device_tier.budget - taken
+            return (max(0, free // nbytes) if nbytes > 0 else 0), frozenset(hot)
 
     def has_room(self, nbytes: int) -> bool:
         """The device tier holds ``nbytes`` more (and a load in flight) within its budget."""

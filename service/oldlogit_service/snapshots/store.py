@@ -342,6 +342,12 @@ class SnapshotStore:
         """A load now would evict nothing: the device budget has a version's room free."""
         return self.residency.has_room(self._snapshot_nbytes)
 
+    def cold_room(self) -> tuple[int, frozenset[int]]:
+        """(Versions' weights the device budget holds beside the hot versions' copies and
+        the decoded patches, the hot versions): the scheduler's load stage holds no more
+        versions that are not hot than fit there (``Residency.cold_room``)."""
+        return self.residency.cold_room(self._snapshot_nbytes)
+
     def acquire_lagging(
         self, version: int
     ) -> contextlib.AbstractContextManager[Mapping[str, torch.Tensor]]:
@@ -814,6 +820,7 @@ class SnapshotStore:
 
         r, m, b = self.registry, self.residency, self.rebuilder
         lag = self._lagging.counters
+        fg = m.foreground.counters()
         return StoreStats(
             tiers={"device": tier(m.device_tier), "host": tier(m.host_tier), DISK: tier(r.disk)},
             versions=len(r.records()),
@@ -835,6 +842,9 @@ class SnapshotStore:
             rebuilds=b.counters["rebuilds"],
             patches_applied=b.counters["patches_applied"],
             lagging=LaggingStats(**lag),
+            background_paused_s=fg.paused_s,
+            background_turns=fg.turns,
+            forward_turn_wait_s=fg.forward_wait_s,
         )
 
     # -- the lagging model's view (``lagging.ChainSource``) -----------------------------------

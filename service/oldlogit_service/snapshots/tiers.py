@@ -14,6 +14,7 @@ __all__ = [
     "DEVICE",
     "DISK",
     "HOST",
+    "HOT_SHARE",
     "PATCH_SHARE",
     "REBUILD_WEIGHT_S",
     "DiskCandidate",
@@ -21,6 +22,7 @@ __all__ = [
     "TierAccount",
     "decayed_uses",
     "disk_victims",
+    "hot_versions",
     "hottest",
     "memory_victim_parts",
     "patch_share",
@@ -114,6 +116,8 @@ class MemoryCandidate:
     part: str = "weights"  # or "patch"
     uses: float = 0.0  # recent uses, decayed to now (``decayed_uses``, ``reuse_factor``)
     wanted: bool = False  # queued work needs it: dropped only after every copy nothing needs
+    # It carries a large share of recent requests (``hot_versions``): dropped after wanted ones.
+    hot: bool = False
     # A decoded patch within the tier's patch share (``patch_share``): dropped only after every
     # weights copy, wanted ones included.
     protected: bool = False
@@ -131,16 +135,28 @@ def memory_victim_parts(
     """What to drop, lowest ``keep_until`` first, until ``resident + incoming <= budget``.
 
     Copies that queued work wants go late (dropping one means loading it again before its
-    requests run), and protected patches last: a wanted copy dropped costs one rebuild, a
-    protected patch dropped costs a file read (hash, decode) in every rebuild through it, and
-    with every resident copy wanted, as under a queue over more versions than the budget
-    holds, loads would otherwise push the whole patch share out load after load. On equal
+    requests run), hot ones later still (``hot_versions``: with many clients, the version a
+    third of the requests ask for often has none queued at the moment a load for an old
+    version makes room, and dropping it stalls every client that asks for it next, while a
+    wanted copy's few queued requests wait for one load), and protected patches last: a
+    wanted copy dropped costs one rebuild, a protected patch dropped costs a file read (hash,
+    decode) in every rebuild through it, and with every resident copy wanted, as under a
+    queue over more versions than the budget holds, loads would otherwise push the whole
+    patch share out load after load. On equal
     keys, the cheapest to bring back goes first (a copy one tier down, then the smaller one).
     """
     out: list[MemoryCandidate] = []
     order = sorted(
         candidates,
-        key=lambda c: (c.protected, c.wanted, c.keep_until, c.rebuild_cost, c.nbytes, c.tick),
+        key=lambda c: (
+            c.protected,
+            c.hot,
+            c.wanted,
+            c.keep_until,
+            c.rebuild_cost,
+            c.nbytes,
+            c.tick,
+        ),
     )
     for c in order:
         if resident + incoming <= budget:
@@ -172,6 +188,26 @@ def hottest(candidates: Iterable[MemoryCandidate], min_uses: float = HOT_MIN_USE
         if c.part == "weights" and c.uses >= min_uses and (best is None or c.uses > best.uses):
             best = c
     return None if best is None else best.version
+
+
+# A weights copy with at least this share of the recent uses of every weights copy in its tier
+# is hot (``hot_versions``). An RL trainer's requests are mostly at the newest one or two
+# versions, each well above it; a spread of older versions asked for now and then each falls
+# below it.
+HOT_SHARE = 0.1
+
+
+def hot_versions(
+    candidates: Iterable[MemoryCandidate],
+    share: float = HOT_SHARE,
+    min_uses: float = HOT_MIN_USES,
+) -> set[int]:
+    """The versions whose weights copies carry at least ``share`` of the recent uses of all
+    the weights copies given (and ``min_uses``): evicted only after the copies nothing queued
+    needs (``memory_victim_parts``)."""
+    weights = [c for c in candidates if c.part == "weights"]
+    total = sum(c.uses for c in weights)
+    return {c.version for c in weights if c.uses >= min_uses and c.uses >= share * total}
 
 
 def patch_share(

@@ -27,6 +27,7 @@ A leaf: imports nothing of the service.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -99,6 +100,11 @@ class Foreground:
         self._paused = 0  # background threads paused at a point now
         self._forwards_waiting = 0  # forwards waiting for a turn to end
         self.stats = YieldStats()
+
+    def counters(self) -> YieldStats:
+        """A copy of ``stats`` as of now (they change under the lock)."""
+        with self._cond:
+            return dataclasses.replace(self.stats)
 
     def state(self) -> dict[str, int]:
         """Now: forwards running and waiting for a turn, batches queued (0/1), background

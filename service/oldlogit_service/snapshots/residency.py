@@ -627,13 +627,15 @@ class Residency:
     def cold_room(self, nbytes: int) -> tuple[int, frozenset[int]]:
         """(How many copies of ``nbytes`` the device budget holds beside the hot versions'
         device copies and the decoded patches in it, the hot versions: ``tiers.hot_versions``
-        over every version's recent uses)."""
+        over every version's recent uses). Decoded patches count where they live in the device
+        tier (on a CPU; in front of a GPU they are in the host tier)."""
         with self._lock:
             hot = hot_versions(self._uses_locked(self._clock()))
             taken = sum(
                 m.device.nbytes for v, m in self._mem.items() if v in hot and m.device is not None
             )
-            taken += sum(m.patch.nbytes for m in self._mem.values() if m.patch is not None)
+            if self.cpu_tier is self.device_tier:
+                taken += sum(m.patch.nbytes for m in self._mem.values() if m.patch is not None)
             free = self.device_tier.budget - taken
             return (max(0, free // nbytes) if nbytes > 0 else 0), frozenset(hot)
 

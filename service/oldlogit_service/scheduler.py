@@ -69,6 +69,7 @@ R = TypeVar("R")
 T = TypeVar("T")
 K = TypeVar("K")  # a queue's key: ``WeightsRef`` in the scheduler, anything hashable in tests
 
+
 @dataclass(frozen=True)
 class WeightsRef:
     """The weights a job runs under, by reference; the scheduler's queues are keyed by it.

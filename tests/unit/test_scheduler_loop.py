@@ -440,19 +440,16 @@ class RoomyStore(FakeStore):
         return self.room
 
 
-@pytest.mark.parametrize("room", [True, False])
-def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room: bool) -> None:
-    """A batch computes on version 1; versions 2 and 3 wait. With room in the budget both are
-    loaded meanwhile (past ``prefetch``); without, at most ``prefetch`` versions are held."""
+def _held_while_one_computes(store: FakeStore, prefetch: int, want: list[int]) -> None:
+    """A batch computes on version 1 (held in the engine); versions 2 and 3 wait. The load
+    stage ends up holding ``want`` and no more meanwhile; then every request is answered."""
     engine = FakeEngine()
-    store = RoomyStore()
-    store.room = room
     sched = Scheduler(
         engine,  # type: ignore[arg-type]
         store,  # type: ignore[arg-type]
         policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0, max_switch_delay_s=60.0),
         max_queue=100,
-        prefetch=1,
+        prefetch=prefetch,
     )
     try:
         engine.gate.clear()  # the batch on version 1 stays in the engine
@@ -461,12 +458,10 @@ def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room
         while 1 not in store.held and time.monotonic() < end:
             time.sleep(0.005)
         waiting = [sched.submit(WeightsRef.stored(v), job(v)) for v in (2, 3)]
-        want = [1, 2, 3] if room else [1]
         end = time.monotonic() + 10
         while sorted(store.held) != want and time.monotonic() < end:
             time.sleep(0.005)
-        if not room:
-            time.sleep(0.2)  # and no more than that meanwhile
+        time.sleep(0.2)  # and no more than that meanwhile
         assert sorted(store.held) == want
         engine.gate.set()
         assert first.result(5).tolist()[0] == 1000.0
@@ -474,6 +469,15 @@ def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room
     finally:
         engine.gate.set()
         sched.close()
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_the_loader_brings_in_waited_for_versions_while_the_budget_has_room(room: bool) -> None:
+    """With room in the budget both waiting versions are loaded while another computes (past
+    ``prefetch``); without, at most ``prefetch`` versions are held."""
+    store = RoomyStore()
+    store.room = room
+    _held_while_one_computes(store, prefetch=1, want=[1, 2, 3] if room else [1])
 
 
 class ColdRoomStore(FakeStore):
@@ -502,30 +506,4 @@ def test_the_loader_holds_no_more_cold_versions_than_fit_beside_the_hot_ones(
     """A batch computes on version 1; versions 2 and 3 wait. The load stage holds at most
     ``prefetch`` (3) versions, and of the versions that are not hot no more than fit beside
     the hot ones with one loading: the others wait rather than push a hot version out."""
-    engine = FakeEngine()
-    store = ColdRoomStore(room)
-    sched = Scheduler(
-        engine,  # type: ignore[arg-type]
-        store,  # type: ignore[arg-type]
-        policy=BatchPolicy(max_batch_tokens=64, max_wait_s=0.0, max_switch_delay_s=60.0),
-        max_queue=100,
-        prefetch=3,
-    )
-    try:
-        engine.gate.clear()  # the batch on version 1 stays in the engine
-        first = sched.submit(WeightsRef.stored(1), job(0))
-        end = time.monotonic() + 5
-        while 1 not in store.held and time.monotonic() < end:
-            time.sleep(0.005)
-        waiting = [sched.submit(WeightsRef.stored(v), job(v)) for v in (2, 3)]
-        end = time.monotonic() + 10
-        while sorted(store.held) != want and time.monotonic() < end:
-            time.sleep(0.005)
-        time.sleep(0.2)  # and no more than that meanwhile
-        assert sorted(store.held) == want
-        engine.gate.set()
-        assert first.result(5).tolist()[0] == 1000.0
-        assert [f.result(5).tolist()[0] for f in waiting] == [2002.0, 3003.0]
-    finally:
-        engine.gate.set()
-        sched.close()
+    _held_while_one_computes(ColdRoomStore(room), prefetch=3, want=want)

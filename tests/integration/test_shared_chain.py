@@ -23,7 +23,7 @@ from oldlogit_service.cluster.chain import CHAIN_DIR
 from oldlogit_service.cluster.replicas import ClusterControl
 from oldlogit_service.snapshots import SnapshotStore, persist
 from tests.redis_server import RedisServer
-from tests.unit.test_store_delta import SNAP, SPECS, trace
+from tests.unit.test_store_delta import SNAP, SPECS, open_store, trace
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -283,15 +283,7 @@ def test_versions_stored_whole_before_the_chain_are_moved_onto_it(
     whole, as before the chain) are moved onto the chain by the lease's holder and served."""
     shared = tmp_path / "shared"
     w = trace(2, seed=9, fractions=[0.02])
-    old = SnapshotStore(
-        shared / "replicas" / "old",
-        param_specs=SPECS,
-        device="cpu",
-        device_budget_bytes=4 * SNAP,
-        host_budget_bytes=0,
-        disk_budget_bytes=1000 * SNAP,
-        max_versions=1000,
-    )
+    old = open_store(shared / "replicas" / "old", device_budget_bytes=4 * SNAP)
     out = old.publish(0, w[0])
     path = shared / "replicas" / "old" / "weights" / old.registry.get(0).file
     old.close()
@@ -323,16 +315,8 @@ def test_a_patch_whose_parent_went_before_its_claim_is_stored_whole(tmp_path: Pa
         return True
 
     w = trace(2, seed=10, fractions=[0.02])
-    with SnapshotStore(
-        tmp_path / "s",
-        param_specs=SPECS,
-        device="cpu",
-        device_budget_bytes=4 * SNAP,
-        host_budget_bytes=0,
-        disk_budget_bytes=1000 * SNAP,
-        max_versions=1000,
-        keyframe_every=16,
-        claim=claim,
+    with open_store(
+        tmp_path / "s", device_budget_bytes=4 * SNAP, keyframe_every=16, claim=claim
     ) as s:
         s.publish(0, w[0])
         out = s.publish(1, w[1])

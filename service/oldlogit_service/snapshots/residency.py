@@ -630,10 +630,9 @@ class Residency:
         over every version's recent uses). Decoded patches count where they live in the device
         tier (on a CPU; in front of a GPU they are in the host tier)."""
         with self._lock:
-            hot = hot_versions(self._uses_locked(self._clock()))
-            taken = sum(
-                m.device.nbytes for v, m in self._mem.items() if v in hot and m.device is not None
-            )
+            uses = self._uses_locked(self._clock())
+            hot = hot_versions(uses)
+            taken = sum(c.nbytes for c in uses if c.version in hot)  # their device copies
             if self.cpu_tier is self.device_tier:
                 taken += sum(m.patch.nbytes for m in self._mem.values() if m.patch is not None)
             free = self.device_tier.budget - taken

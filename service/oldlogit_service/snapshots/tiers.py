@@ -142,8 +142,8 @@ def memory_victim_parts(
     wanted copy dropped costs one rebuild, a protected patch dropped costs a file read (hash,
     decode) in every rebuild through it, and with every resident copy wanted, as under a
     queue over more versions than the budget holds, loads would otherwise push the whole
-    patch share out load after load. On equal
-    keys, the cheapest to bring back goes first (a copy one tier down, then the smaller one).
+    patch share out load after load. On equal keys, the cheapest to bring back goes first (a
+    copy one tier down, then the smaller one).
     """
     out: list[MemoryCandidate] = []
     order = sorted(

@@ -1,7 +1,8 @@
 """Publishing from a trainer as it lives: tied heads, wrappers, fp32 masters, hub checkpoints.
 
 A real server (bfloat16, a tied Qwen2 and an untied Mixtral) and real trainer objects:
-``model.state_dict()`` with its tied ``lm_head.weight``, a ``torch.compile`` wrapper
+``model.state_dict()`` with its tied ``lm_head.weight`` (and one whose head is not tied:
+refused, naming it), a ``torch.compile`` wrapper
 (``_orig_mod.``), ``DataParallel`` (``module.``), activation-checkpoint wrappers inside the
 model, float32 master weights (refused naming the tensor, accepted with ``cast=True``), a
 per-expert hub checkpoint directory uploaded as it is. Every publish is served bitwise under
@@ -165,6 +166,52 @@ def test_a_one_rank_fsdp2_state_dict_publishes_gathered(tied, tmp_path):
             c.publish(40, state)
             c.publish(41, state, delta=True)
             _check(server, hub, c, 41, plain)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_trainer_whose_head_is_not_tied_is_refused_naming_the_head(tied):
+    # Above every version the tests before it publish on the shared server.
+    """The served model ties the head to the embedding; a trainer whose lm_head.weight holds
+    other bits (its model unties them) would be scored with the wrong head: refused."""
+    server, _ = tied
+    state = dict(hf_model("gemma", seed=13, dtype=torch.bfloat16).state_dict())
+    head = state["lm_head.weight"].clone()
+    head[0, 0] += 1
+    state["lm_head.weight"] = head
+    with Client(server.grpc_url, token=WRITE_TOKEN) as c:
+        for delta in (False, True):
+            with pytest.raises(WeightsMismatch, match=r"'lm_head\.weight' differs") as info:
+                c.publish(60, state, delta=delta)
+            assert info.value.details["tensor"] == "lm_head.weight"
+        assert 60 not in [v.policy_version for v in c.versions()]
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # equal bits
+        c.publish(60, state)
+
+
+def test_an_fsdp2_trainer_whose_head_is_not_tied_is_refused_on_every_rank(tied, tmp_path):
+    """The sharded publisher gathers DTensors on every rank: the head and the embedding are
+    compared whole there (the same answer on every rank), and the publish is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from oldlogit.integrations import ShardedPublisher
+
+    server, _ = tied
+    trainer = hf_model("gemma", seed=14, dtype=torch.bfloat16)
+    with torch.no_grad():  # untied in the trainer: its own head, one element moved
+        trainer.lm_head.weight = torch.nn.Parameter(trainer.lm_head.weight.detach().clone())
+        trainer.lm_head.weight[1, 2] += 1
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        fully_shard(trainer, mesh=init_device_mesh("cpu", (1,)))
+        state = trainer.state_dict()
+        assert state["lm_head.weight"] is not state["model.embed_tokens.weight"]
+        with Client(server.grpc_url, token=WRITE_TOKEN) as c:
+            with pytest.raises(WeightsMismatch, match=r"'lm_head\.weight' differs"):
+                ShardedPublisher(c).publish(70, state)
+            assert 70 not in [v.policy_version for v in c.versions()]
     finally:
         dist.destroy_process_group()
 

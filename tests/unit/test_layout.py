@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oldlogit.contract.errors import WeightsMismatch
-from oldlogit.contract.layout import WeightLayout, WeightSource, strip_wrappers
+from oldlogit.contract.layout import WeightLayout, WeightSource, check_tied, strip_wrappers
 
 SPECS = {
     "model.embed_tokens.weight": ("BF16", (10, 4)),
@@ -46,6 +46,23 @@ def test_tied_duplicates_are_dropped_or_renamed_by_the_tie_table():
     assert a.dropped == {"lm_head.weight": "tied to 'model.embed_tokens.weight'"}
     only_head = [n for n in SPECS if n != "model.embed_tokens.weight"] + ["lm_head.weight"]
     assert LAYOUT.assemble(only_head).parts["model.embed_tokens.weight"] == ("lm_head.weight",)
+    assert LAYOUT.assemble(only_head).tied == {}  # renamed, nothing dropped to compare
+
+
+def test_a_dropped_tied_duplicate_is_checked_against_the_tensor_sent_for_it():
+    names = [f"_orig_mod.{n}" for n in SPECS] + ["_orig_mod.lm_head.weight"]
+    a = LAYOUT.assemble(names)
+    assert a.tied == {"_orig_mod.lm_head.weight": "_orig_mod.model.embed_tokens.weight"}
+    asked: list[tuple[str, str]] = []
+    check_tied(a, lambda x, y: asked.append((x, y)) is None)  # the same values: accepted
+    assert asked == [("_orig_mod.lm_head.weight", "_orig_mod.model.embed_tokens.weight")]
+    with pytest.raises(WeightsMismatch, match=r"'_orig_mod\.lm_head\.weight' differs") as info:
+        check_tied(a, lambda x, y: False, parameter="state_dict")
+    assert info.value.parameter == "state_dict"
+    assert info.value.details == {
+        "tensor": "_orig_mod.lm_head.weight",
+        "tied_to": "_orig_mod.model.embed_tokens.weight",
+    }
 
 
 def test_wrapper_prefixes_and_segments_are_stripped():

@@ -9,8 +9,10 @@ What maps onto a canonical name (the service's ``model.named_parameters()`` with
 duplicates, plus the persistent buffers that change the forward):
 - the canonical name itself;
 - a tied duplicate (``lm_head.weight`` when the head is tied to the embedding), known from
-  the model's own tie table, never from the values: dropped when the canonical tensor is
-  there too, else renamed;
+  the model's own tie table: dropped when the canonical tensor is there too, else renamed.
+  A dropped duplicate must hold the canonical tensor's very bits: a trainer whose weights
+  differ there does not tie them, and its logprobs are not the served model's. The callers,
+  which hold the bytes, compare (``Assembly.tied``, ``check_tied``) and refuse, naming it;
 - a checkpoint layout: transformers keeps mixture-of-experts weights fused
   (``mlp.experts.gate_up_proj`` [E, 2I, H]) while hub checkpoints hold one tensor per expert
   and projection (``mlp.experts.3.gate_proj.weight`` [I, H]), sometimes under other module
@@ -25,7 +27,7 @@ duplicates, plus the persistent buffers that change the forward):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from oldlogit.contract.errors import WeightsMismatch
@@ -36,6 +38,7 @@ __all__ = [
     "Assembly",
     "WeightLayout",
     "WeightSource",
+    "check_tied",
     "strip_wrappers",
 ]
 
@@ -114,11 +117,31 @@ class Assembly:
     """How given tensors make up a version's canonical weights.
 
     ``parts``: canonical name → the input names whose bytes, back to back, are that tensor
-    (one name for most tensors). ``dropped``: input name → why it is not sent.
+    (one name for most tensors). ``dropped``: input name → why it is not sent. ``tied``: a
+    dropped tied duplicate → the input name sent for its canonical tensor, whose bits it must
+    hold (``check_tied``).
     """
 
     parts: Mapping[str, tuple[str, ...]]
     dropped: Mapping[str, str] = field(default_factory=dict)
+    tied: Mapping[str, str] = field(default_factory=dict)
+
+
+def check_tied(
+    assembly: Assembly, same: Callable[[str, str], bool], *, parameter: str = "weights"
+) -> None:
+    """Refuse weights whose tied duplicate differs from the tensor sent for it (``same(a,
+    b)``: whether input tensors a and b hold the same dtype, shape and bits), naming it."""
+    for duplicate, kept in assembly.tied.items():
+        if not same(duplicate, kept):
+            raise WeightsMismatch(
+                f"the weights' {duplicate!r} differs from {kept!r}, which the served model "
+                f"ties it to (one tensor): the trainer's model does not tie them, so its "
+                f"logprobs are not the served model's. Serve a model whose config unties them "
+                f"(tie_word_embeddings=false), or tie them in the trainer",
+                parameter=parameter,
+                details={"tensor": duplicate, "tied_to": kept},
+            )
 
 
 @dataclass(frozen=True)
@@ -196,10 +219,12 @@ class WeightLayout:
                 )
         direct = {c for c, i in canonical_of.values() if i == -1}
         by_source: dict[str, dict[int, str]] = {}
+        tied_to: dict[str, str] = {}  # dropped duplicate → its canonical name
         for raw, (canonical, i) in list(canonical_of.items()):
-            if i == -2:  # a tied duplicate: the canonical tensor wins, whatever the values
+            if i == -2:  # a tied duplicate: dropped beside its canonical tensor (same bits)
                 if canonical in direct or canonical in by_source:
                     dropped[raw] = f"tied to {canonical!r}"
+                    tied_to[raw] = canonical
                     del canonical_of[raw]
                     continue
                 canonical_of[raw] = (canonical, -1)
@@ -242,7 +267,8 @@ class WeightLayout:
                 parameter=parameter,
                 details={"tensor": missing[0]},
             )
-        return Assembly({n: parts[n] for n in self.specs if n in parts}, dropped)
+        tied = {d: parts[c][0] for d, c in tied_to.items() if len(parts.get(c, ())) == 1}
+        return Assembly({n: parts[n] for n in self.specs if n in parts}, dropped, tied)
 
     def _known(self, name: str, index: Mapping[str, tuple[str, int]]) -> bool:
         return name in self.specs or name in self.tied or name in index or name in self.ignored

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, TypeVar
 import numpy as np
 
 from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
-from oldlogit.contract.layout import WeightLayout
+from oldlogit.contract.layout import WeightLayout, check_tied
 from oldlogit.contract.weights import (
     DTYPE_ITEMSIZE,
     SafetensorsHeader,
@@ -217,6 +217,7 @@ def file_sources(
             )
         return [_file_source(n, where[n]) for n in where], files
     assembly = layout.assemble(where)
+    check_tied(assembly, lambda a, b: _same_entries(where[a], a, where[b], b))
     out = []
     for canonical, parts in assembly.parts.items():
         entries = [(where[p], where[p].tensors[p]) for p in parts]
@@ -234,6 +235,29 @@ def file_sources(
         nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
         out.append(TensorSource(canonical, dtype, shape, nbytes, _file_reader(entries, cast_to)))
     return out, files
+
+
+def _same_entries(ha: SafetensorsHeader, a: str, hb: SafetensorsHeader, b: str) -> bool:
+    """Whether two tensors of a checkpoint (its shards' headers) hold the same dtype, shape
+    and bytes: read side by side, chunk by chunk, stopping at the first difference."""
+    ea, eb = ha.tensors[a], hb.tensors[b]
+    if (ea.dtype, tuple(ea.shape)) != (eb.dtype, tuple(eb.shape)):
+        return False
+    with open(ha.path, "rb") as fa, open(hb.path, "rb") as fb:
+        left, right = read_entry_chunks(fa, ha, ea), read_entry_chunks(fb, hb, eb)
+        pending = memoryview(b"")
+        for chunk in left:
+            view = memoryview(chunk).cast("B")
+            while len(view):
+                if not len(pending):
+                    pending = memoryview(next(right, b"")).cast("B")
+                    if not len(pending):
+                        return False
+                n = min(len(view), len(pending))
+                if view[:n] != pending[:n]:
+                    return False
+                view, pending = view[n:], pending[n:]
+        return not len(pending) and not len(memoryview(next(right, b"")))
 
 
 def _file_source(name: str, header: SafetensorsHeader) -> TensorSource:

@@ -40,6 +40,7 @@ __all__ = [
     "read_safetensors_header",
     "safetensors_files",
     "safetensors_sha256",
+    "same_values",
     "tensor_raw_bytes",
     "torch_dtype",
     "weight_sha256",
@@ -184,6 +185,28 @@ def tensor_raw_bytes(x: Any) -> memoryview:
 
 def _shape_of(x: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in x.shape)
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two tensors (torch or array-like, one process's whole tensors) hold the same
+    dtype, shape and bits — NaN payloads and signed zeros included. One tensor, or two views
+    of the same memory, answer without reading it; two torch tensors on one device compare
+    there."""
+    if a is b:
+        return True
+    if dtype_name(a) != dtype_name(b) or _shape_of(a) != _shape_of(b):
+        return False
+    if _is_torch(a) and _is_torch(b):
+        import torch
+
+        ta, tb = a.detach(), b.detach()
+        if ta.device == tb.device:
+            if ta.data_ptr() == tb.data_ptr() and ta.stride() == tb.stride():
+                return True
+            flat_a = ta.contiguous().reshape(-1).view(torch.uint8)
+            flat_b = tb.contiguous().reshape(-1).view(torch.uint8)
+            return bool(torch.equal(flat_a, flat_b))
+    return tensor_raw_bytes(a) == tensor_raw_bytes(b)
 
 
 class WeightHasher:

@@ -25,12 +25,13 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from oldlogit.contract.errors import InvalidRequest, WeightsMismatch
-from oldlogit.contract.layout import WeightLayout
+from oldlogit.contract.layout import WeightLayout, check_tied
 from oldlogit.contract.safetensors import TensorSource, check_dtype
 from oldlogit.contract.weights import (
     DTYPE_ITEMSIZE,
     dtype_name,
     numpy_dtype,
+    same_values,
     tensor_raw_bytes,
     torch_dtype,
 )
@@ -71,6 +72,7 @@ def state_dict_sources(
             )
         return [_single(name, weights[name], None) for name in weights]
     assembly = layout.assemble(weights, partial=partial)
+    check_tied(assembly, lambda a, b: _same(weights[a], weights[b]))
     out = []
     for canonical, parts in assembly.parts.items():
         tensors = [weights[p] for p in parts]
@@ -88,6 +90,18 @@ def state_dict_sources(
         else:
             out.append(_joined(canonical, tensors, cast_to, layout))
     return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``same_values`` on a state dict's tensors; a DTensor over several ranks is published by
+    ``publish_sharded`` (which checks the whole tensors), not from here."""
+    if a is b:
+        return True
+    if is_dtensor(a) or is_dtensor(b):
+        if any(is_dtensor(x) and x.device_mesh.size() > 1 for x in (a, b)):
+            return True  # refused when read (``_materialize``), with the call to make instead
+        a, b = (x.full_tensor() if is_dtensor(x) else x for x in (a, b))
+    return same_values(a, b)
 
 
 def _materialize(x: Any, cast_to: str | None) -> Any:

@@ -117,7 +117,8 @@ def canonicalize_weights(
 ) -> dict[str, Tensor]:
     """Map a checkpoint's tensors onto the canonical names, checked against ``param_specs``.
 
-    Accepts every name ``model.layout`` does (tied duplicates are dropped, never compared;
+    Accepts every name ``model.layout`` does (tied duplicates are dropped, never compared: a
+    checkpoint the model is served from is tied on loading, as transformers ties it;
     per-expert tensors are stacked into the fused tensor; wrapper prefixes are stripped;
     saved non-persistent buffers are ignored). Missing or unexpected names and wrong shapes
     raise ``WeightsMismatch`` naming the tensor. With ``cast`` tensors are cast to the

@@ -13,6 +13,7 @@ Torch is imported only to cast a file's tensor to a dtype numpy lacks (BF16).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -239,25 +240,19 @@ def file_sources(
 
 def _same_entries(ha: SafetensorsHeader, a: str, hb: SafetensorsHeader, b: str) -> bool:
     """Whether two tensors of a checkpoint (its shards' headers) hold the same dtype, shape
-    and bytes: read side by side, chunk by chunk, stopping at the first difference."""
+    and bytes (their SHA-256, each read in chunks: never a whole tensor in memory)."""
     ea, eb = ha.tensors[a], hb.tensors[b]
     if (ea.dtype, tuple(ea.shape)) != (eb.dtype, tuple(eb.shape)):
         return False
-    with open(ha.path, "rb") as fa, open(hb.path, "rb") as fb:
-        left, right = read_entry_chunks(fa, ha, ea), read_entry_chunks(fb, hb, eb)
-        pending = memoryview(b"")
-        for chunk in left:
-            view = memoryview(chunk).cast("B")
-            while len(view):
-                if not len(pending):
-                    pending = memoryview(next(right, b"")).cast("B")
-                    if not len(pending):
-                        return False
-                n = min(len(view), len(pending))
-                if view[:n] != pending[:n]:
-                    return False
-                view, pending = view[n:], pending[n:]
-        return not len(pending) and not len(memoryview(next(right, b"")))
+
+    def digest(header: SafetensorsHeader, entry: TensorEntry) -> bytes:
+        h = hashlib.sha256()
+        with open(header.path, "rb") as f:
+            for chunk in read_entry_chunks(f, header, entry):
+                h.update(chunk)
+        return h.digest()
+
+    return digest(ha, ea) == digest(hb, eb)
 
 
 def _file_source(name: str, header: SafetensorsHeader) -> TensorSource:

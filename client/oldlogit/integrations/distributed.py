@@ -40,11 +40,10 @@ from oldlogit.contract.weights import (
     DTYPE_ITEMSIZE,
     WeightHasher,
     dtype_name,
-    same_values,
     tensor_raw_bytes,
     torch_dtype,
 )
-from oldlogit.publishing.sources import is_dtensor
+from oldlogit.publishing.sources import is_dtensor, same_state_tensors
 from oldlogit.publishing.streams import SafetensorsStream, WeightsCopy
 
 __all__ = ["ShardedPublisher", "publish_sharded"]
@@ -219,7 +218,7 @@ class ShardedPublisher:
         """DTensor state: every rank gathers every tensor in order; its owner keeps it."""
         assembly = layout.assemble(state)
         # Whole tensors compared on every rank alike (the same collectives, the same answer).
-        check_tied(assembly, lambda a, b: _same_whole(state[a], state[b]))
+        check_tied(assembly, lambda a, b: same_state_tensors(state[a], state[b], gather=True))
         names = sorted(assembly.parts)
         owned = {n: layout.specs[n] for i, n in enumerate(names) if i % self.world == self.rank}
         target = {
@@ -329,15 +328,6 @@ def _copy_of(bits: Mapping[str, tuple[str, tuple[int, ...], Any]]) -> WeightsCop
         hasher.begin(name, dt, shape)
         hasher.update(np.ascontiguousarray(b).view(np.uint8).data)
     return WeightsCopy(-1, hasher.hexdigest(), dict(bits))
-
-
-def _same_whole(a: Any, b: Any) -> bool:
-    """Whether two state-dict tensors, DTensors gathered whole, hold the same bits; one
-    tensor (a tied parameter, on every rank) needs no gather."""
-    if a is b:
-        return True
-    whole = [x.full_tensor() if is_dtensor(x) else x for x in (a, b)]  # collectives
-    return same_values(whole[0], whole[1])
 
 
 def publish_sharded(

@@ -36,7 +36,7 @@ from oldlogit.contract.weights import (
     torch_dtype,
 )
 
-__all__ = ["is_dtensor", "state_dict_sources"]
+__all__ = ["is_dtensor", "same_state_tensors", "state_dict_sources"]
 
 
 def is_dtensor(x: Any) -> bool:
@@ -72,7 +72,7 @@ def state_dict_sources(
             )
         return [_single(name, weights[name], None) for name in weights]
     assembly = layout.assemble(weights, partial=partial)
-    check_tied(assembly, lambda a, b: _same(weights[a], weights[b]))
+    check_tied(assembly, lambda a, b: same_state_tensors(weights[a], weights[b]))
     out = []
     for canonical, parts in assembly.parts.items():
         tensors = [weights[p] for p in parts]
@@ -92,15 +92,17 @@ def state_dict_sources(
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    """``same_values`` on a state dict's tensors; a DTensor over several ranks is published by
-    ``publish_sharded`` (which checks the whole tensors), not from here."""
+def same_state_tensors(a: Any, b: Any, *, gather: bool = False) -> bool:
+    """``same_values`` on two state-dict tensors, DTensors compared whole. A DTensor over
+    several ranks is gathered only with ``gather`` (every rank calls it alike: the sharded
+    publisher); without, it passes — ``Client.publish`` refuses it when read
+    (``_materialize``), naming the call to make instead. One tensor is never read."""
     if a is b:
         return True
     if is_dtensor(a) or is_dtensor(b):
-        if any(is_dtensor(x) and x.device_mesh.size() > 1 for x in (a, b)):
-            return True  # refused when read (``_materialize``), with the call to make instead
-        a, b = (x.full_tensor() if is_dtensor(x) else x for x in (a, b))
+        if not gather and any(is_dtensor(x) and x.device_mesh.size() > 1 for x in (a, b)):
+            return True
+        a, b = (x.full_tensor() if is_dtensor(x) else x for x in (a, b))  # collectives
     return same_values(a, b)
 
 
